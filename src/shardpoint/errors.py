@@ -1,0 +1,47 @@
+"""The exceptions shardpoint raises.
+
+Every error is a :class:`ShardpointError`; catch one of the four subclasses to
+handle a specific failure. Messages name the key, file or rank involved and say
+what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "KeyMismatchError",
+    "CollectiveMismatchError",
+]
+
+
+class ShardpointError(Exception):
+    """Base class of every error shardpoint raises."""
+
+
+class CheckpointNotFoundError(ShardpointError, FileNotFoundError):
+    """No committed checkpoint (no manifest) exists at the given path."""
+
+
+class CorruptCheckpointError(ShardpointError):
+    """A checkpoint's manifest or data does not match what was written: a bad
+    checksum, a truncated or missing file, or a manifest that contradicts itself."""
+
+
+class KeyMismatchError(ShardpointError, KeyError):
+    """The keys of the local state and of the checkpoint do not agree (strict
+    load), or a value cannot be placed into its target (shape, layout)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class CollectiveMismatchError(ShardpointError):
+    """The ranks of a collective save or load did not all arrive, or arrived with
+    different arguments, or one of them failed while the others went on."""
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        #: The ranks the error is about (absent, disagreeing or failed ranks).
+        self.ranks: list[int] = sorted(ranks or [])

@@ -1,0 +1,81 @@
+"""The storage interface: one checkpoint directory (or object-store prefix).
+
+Everything above this layer speaks in file *names* relative to the checkpoint
+root; a storage resolves them. Names never contain ``..``, never start with
+``/`` and are checked by :func:`check_name` before any I/O, so a hostile
+manifest cannot make a reader touch a file outside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from ..errors import CorruptCheckpointError
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a safe relative file name, else raise."""
+    if not isinstance(name, str) or not _NAME.match(name) or any(p in (".", "..") for p in name.split("/")):
+        raise CorruptCheckpointError(
+            f"file name {name!r} in the manifest is not a plain relative name inside the checkpoint; "
+            "the manifest is damaged or hostile, refusing to open it"
+        )
+    return name
+
+
+class Storage(ABC):
+    """A checkpoint location. Implementations: :class:`LocalStorage` (default)
+    and :class:`FsspecStorage` (any fsspec URL, e.g. ``s3://``)."""
+
+    #: The location as the user gave it (a path or URL), for messages.
+    url: str
+
+    @abstractmethod
+    def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
+        """Write ``parts`` in order to ``name`` and make it durable before returning
+        (fsync on a local disk; a completed upload on an object store). Returns the
+        number of bytes written."""
+
+    @abstractmethod
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Make ``name`` hold ``data`` all at once: readers see the old content or the
+        new, never a part (temp file + fsync + rename + directory fsync locally; one
+        PUT on an object store)."""
+
+    @abstractmethod
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes (all when None) from ``offset``. Raises
+        :class:`CorruptCheckpointError` naming the file when it is missing or shorter."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists."""
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """Size of ``name`` in bytes."""
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Names of the files under this location (recursively, relative)."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove ``name`` if it exists."""
+
+    @abstractmethod
+    def remove_all(self) -> None:
+        """Remove this location and everything under it (used for leftovers of
+        failed saves and by retention)."""
+
+    @abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage for a sub-location (``root.child("step-00000100")``)."""
+
+    @abstractmethod
+    def list_dirs(self) -> list[str]:
+        """Names of the immediate sub-locations."""

@@ -1,0 +1,141 @@
+"""Local filesystem storage: real files, fsync before a write returns, atomic
+rename for the manifest and a directory fsync after it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+
+from ..errors import CorruptCheckpointError
+from .base import Storage, check_name
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage(Storage):
+    """A directory on a local (or network-mounted POSIX) filesystem."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(path))
+        self.url = self.root
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, check_name(name))
+
+    def _ensure_dir(self, path: str) -> None:
+        if not os.path.isdir(path):
+            parent = os.path.dirname(path)
+            self._ensure_dir(parent)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                return
+            _fsync_dir(parent)  # make the new directory entry durable
+
+    def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
+        path = self._path(name)
+        self._ensure_dir(os.path.dirname(path))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        total = 0
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                    total += n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(os.path.dirname(path))
+        return total
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        directory = os.path.dirname(path)
+        self._ensure_dir(directory)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        _fsync_dir(directory)
+
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"data file {path} is missing; the checkpoint is incomplete (restore the file or use another checkpoint)"
+            ) from None
+        try:
+            if length is None:
+                length = os.fstat(fd).st_size - offset
+            data = os.pread(fd, length, offset)
+            if len(data) < length:
+                buf = bytearray(data)
+                while len(buf) < length:
+                    more = os.pread(fd, length - len(buf), offset + len(buf))
+                    if not more:
+                        raise CorruptCheckpointError(
+                            f"data file {path} is truncated: wanted bytes {offset}..{offset + length}, "
+                            f"the file has {os.fstat(fd).st_size}; the checkpoint is damaged"
+                        )
+                    buf += more
+                data = bytes(buf)
+            return data
+        finally:
+            os.close(fd)
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self._path(name))
+
+    def size(self, name: str) -> int:
+        return os.path.getsize(self._path(name))
+
+    def list(self) -> list[str]:
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in files:
+                out.append(f if rel == "." else f"{rel}/{f}")
+        return sorted(out)
+
+    def remove(self, name: str) -> None:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def remove_all(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        parent = os.path.dirname(self.root)
+        if os.path.isdir(parent):
+            _fsync_dir(parent)
+
+    def child(self, name: str) -> LocalStorage:
+        return LocalStorage(self._path(name))
+
+    def list_dirs(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
+        except FileNotFoundError:
+            return []
