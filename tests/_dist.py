@@ -1,0 +1,90 @@
+"""Start real ranks for multi-process tests: fresh processes (spawn), a real gloo
+process group on a free loopback port, a bound on time, and no leftovers."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        q.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo ranks and
+    return their results in rank order. Raises ``RankFailed`` with the failing ranks'
+    tracebacks, or on timeout (killing every rank)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, dict(env or {})), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout}s")
+            try:
+                rank, ok, value = q.get(timeout=min(left, 1.0))
+                results[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RankFailed(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    failed = {r: v for r, (ok, v) in results.items() if not ok}
+    if failed:
+        raise RankFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
+    return [results[r][1] for r in range(world_size)]
