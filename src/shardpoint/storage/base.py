@@ -47,8 +47,9 @@ class Storage(ABC):
         PUT on an object store)."""
 
     @abstractmethod
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
-        """Read ``length`` bytes (all when None) from ``offset``. Raises
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
+        """Read ``length`` bytes (all when None) from ``offset`` (a ``bytearray`` where
+        the storage can fill one without a copy). Raises
         :class:`CorruptCheckpointError` naming the file when it is missing or shorter."""
 
     @abstractmethod

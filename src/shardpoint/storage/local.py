@@ -78,7 +78,7 @@ class LocalStorage(Storage):
             raise
         _fsync_dir(directory)
 
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         path = self._path(name)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -87,21 +87,23 @@ class LocalStorage(Storage):
                 f"data file {path} is missing; the checkpoint is incomplete (restore the file or use another checkpoint)"
             ) from None
         try:
+            size = os.fstat(fd).st_size
             if length is None:
-                length = os.fstat(fd).st_size - offset
-            data = os.pread(fd, length, offset)
-            if len(data) < length:
-                buf = bytearray(data)
-                while len(buf) < length:
-                    more = os.pread(fd, length - len(buf), offset + len(buf))
-                    if not more:
-                        raise CorruptCheckpointError(
-                            f"data file {path} is truncated: wanted bytes {offset}..{offset + length}, "
-                            f"the file has {os.fstat(fd).st_size}; the checkpoint is damaged"
-                        )
-                    buf += more
-                data = bytes(buf)
-            return data
+                length = max(size - offset, 0)
+            if offset + length > size:
+                raise CorruptCheckpointError(
+                    f"data file {path} is truncated: wanted bytes {offset}..{offset + length}, the file has {size}; "
+                    "the checkpoint is damaged (restore the file or use another checkpoint)"
+                )
+            buf = bytearray(length)
+            view = memoryview(buf)
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise CorruptCheckpointError(f"data file {path} ended early at byte {offset + got}; the checkpoint is damaged")
+                got += n
+            return buf
         finally:
             os.close(fd)
 

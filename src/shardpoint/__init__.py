@@ -1,0 +1,32 @@
+"""shardpoint: save the whole state of a PyTorch training run from any number of
+processes and resume it on any other number, with no conversion step and no
+silent loss."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import load, load_full, metadata, save  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    CollectiveMismatchError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    ShardpointError,
+)
+from .report import LoadReport  # noqa: E402
+from .tree import PerRank  # noqa: E402
+
+__all__ = [
+    "save",
+    "load",
+    "load_full",
+    "metadata",
+    "PerRank",
+    "LoadReport",
+    "ShardpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "KeyMismatchError",
+    "CollectiveMismatchError",
+]

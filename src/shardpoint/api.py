@@ -1,0 +1,257 @@
+"""save / load / load_full / metadata."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import torch
+
+from ._load import Reader, TreeLoad, _Pending, _Selector, leaf_value, load_per_rank, materialise_tree, read_manifest
+from ._save import _Local, describe, save_collective
+from .collective import Comm, agree
+from .format.datafile import dtype_from_name
+from .format.manifest import Tree, decode_value
+from .report import LoadReport
+from .storage import Storage, storage_for
+from .tree import decode_key, matches_prefix, walk
+
+PathLike = str | os.PathLike[str] | Storage
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def save(
+    state: Any,
+    path: PathLike,
+    *,
+    process_group: Any = None,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    overwrite: bool = False,
+    blocking: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
+    """Save ``state`` to ``path``. Collective: every rank of ``process_group`` (default:
+    the whole job; no group at all without torch.distributed) calls it with its own
+    local state.
+
+    ``state`` is a nested dict/list/tuple whose leaves are tensors, DTensors
+    (Shard/Replicate), :class:`~shardpoint.layout.FlatShard` partitions, numpy
+    arrays, plain values, Stateful objects (``state_dict``/``load_state_dict``) and
+    :class:`PerRank` values. Anything not wrapped in :class:`PerRank` is replicated
+    among the ranks that hold it, and must be identical on all of them.
+
+    The checkpoint exists once its manifest is written, which happens last, after
+    every rank's data is durable. A failure on any rank raises on every rank and
+    leaves no checkpoint; an existing checkpoint at ``path`` is kept unless
+    ``overwrite=True``, which replaces it atomically.
+
+    Args:
+        timeout: how long ranks wait for each other to arrive (not how long the save
+            may take). Absent ranks are named in a :class:`CollectiveMismatchError`.
+        blocking: with False, return a handle as soon as the state is staged; the
+            write and commit continue in the background (``handle.wait()``).
+    """
+    comm = Comm(process_group, timeout)
+    storage = storage_for(path, storage_options)
+    comm.arrive("save", storage.url)
+    if not blocking:
+        from .asyncsave import save_async
+
+        return save_async(comm, storage, state, overwrite)
+    local: _Local | None = None
+    err: BaseException | None = None
+    try:
+        local = describe(state, comm.rank)
+    except Exception as e:  # noqa: BLE001 - fanned out to every rank
+        err = e
+    save_collective(comm, storage, local, err, overwrite)
+    return None
+
+
+def load(
+    state: Any,
+    path: PathLike,
+    *,
+    strict: bool = True,
+    only: list[str] | str | None = None,
+    exclude: list[str] | str | None = None,
+    create: bool = True,
+    process_group: Any = None,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> LoadReport:
+    """Load the checkpoint at ``path`` into ``state``, in place. Collective.
+
+    Tensors are filled in place (same objects, same storage), resharded from
+    whatever layout saved them; Stateful objects get ``load_state_dict`` with their
+    filled state dict; plain values are replaced in their containers. A checkpoint
+    key that no rank of this job holds (lazily created state) is created, under the
+    nearest existing container, unless ``create=False``. Checksums are verified
+    unless ``verify=False``.
+
+    Args:
+        strict: raise :class:`KeyMismatchError` when the local state has keys the
+            checkpoint lacks (``report.missing``).
+        only / exclude: key prefixes, matched on whole ``/`` segments, to load or to
+            leave out (``only=["model"]`` never matches ``model_ema``).
+
+    Returns:
+        A :class:`LoadReport` saying what this rank loaded, created, skipped, and
+        what is missing or unexpected.
+    """
+    comm = Comm(process_group, timeout)
+    storage = storage_for(path, storage_options)
+    comm.arrive("load", storage.url)
+    select = _Selector(only, exclude)
+    report = LoadReport()
+    err: BaseException | None = None
+    top: TreeLoad | None = None
+    manifest = None
+    flags = torch.zeros(0, dtype=torch.uint8)
+    names: list[str] = []
+    try:
+        manifest = read_manifest(storage)
+        report.world_size = manifest.world_size
+        try:
+            w = walk(state)
+        except TypeError as e:
+            from .errors import ShardpointError
+
+            raise ShardpointError(str(e)) from None
+        top = TreeLoad(w, manifest.tree, select, report, rank=comm.rank)
+        top.check(strict)
+        names = sorted(manifest.tree.entries)
+        local = set(w.leaves) | set(w.per_rank)
+        flags = torch.tensor([1 if k in local else 0 for k in names], dtype=torch.uint8)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    agree(comm, None, err)
+    assert top is not None and manifest is not None
+    held_flags = comm.any_true(flags)
+    held = {k for k, f in zip(names, held_flags.tolist()) if f}
+    reader = Reader(storage, manifest.crc_block, verify)
+    loads = [top]
+    try:
+        top.plan(reader, lambda k: k in held, create)
+        for key, entry in manifest.tree.entries.items():
+            if entry["kind"] != "per_rank" or not select(key):
+                continue
+            if key in top.walk.per_rank:
+                loads += load_per_rank(key, top.walk.per_rank[key], entry, comm.rank, select, reader, report, strict, create)
+        reader.run()
+        report.bytes_read = reader.bytes_read
+        top.fill(top.walk.root, "")
+        for tl in loads[1:]:
+            _fill_per_rank(top.walk, tl)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    agree(comm, None, err)
+    return report.sort()
+
+
+def _fill_per_rank(w: Any, tl: TreeLoad) -> None:
+    root = tl.walk.root
+    key = next(k for k, sub in w.per_rank.items() if sub is tl.walk)
+    value = tl.fill(root, key)
+    # the PerRank object itself is reachable from the parent walk's per_rank node
+    _set_per_rank_value(w.root, key, tl.walk, value)
+
+
+def _set_per_rank_value(node: Any, key: str, sub: Any, value: Any) -> bool:
+    if node.kind == "per_rank" and node.inner is sub.root:
+        node.obj.value = value
+        return True
+    for child in node.children.values():
+        if _set_per_rank_value(child, key, sub, value):
+            return True
+    return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, key, sub, value)
+
+
+def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a checkpoint in one process, no process group needed: the nested state
+    with full CPU tensors (numpy arrays where numpy arrays were saved). A per-rank
+    value comes back as ``{rank: value}``. ``keys`` limits it to key prefixes."""
+    storage = storage_for(path, storage_options)
+    manifest = read_manifest(storage)
+    select = _Selector(keys, None)
+    reader = Reader(storage, manifest.crc_block, verify)
+    root = _Pending("", manifest.tree.containers)
+    for k, e in manifest.tree.entries.items():
+        if not select(k):
+            continue
+        if e["kind"] == "per_rank":
+            val: Any = {int(r): materialise_tree(Tree(s["containers"], s["entries"]), k, reader) for r, s in e["ranks"].items()}
+        else:
+            val = leaf_value(k, e, reader)
+        path_ = decode_key(k)
+        if not path_:
+            reader.run()
+            return val
+        root.put(path_, val)
+    reader.run()
+    out = root.build()
+    return out if isinstance(out, dict) else {"": out}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """How one tensor was saved."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (offsets, sizes) of each saved box
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """What :func:`metadata` returns: the checkpoint without its tensor data."""
+
+    world_size: int
+    created: datetime
+    version: int
+    tensors: dict[str, TensorInfo]
+    values: dict[str, Any]
+    per_rank: dict[str, list[int]]  # key -> ranks that saved a value
+    nbytes: int
+
+
+def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
+    """Keys, shapes, dtypes, how each tensor was sharded, the world size and time at
+    save: everything but the tensor data, read from the manifest alone."""
+    storage = storage_for(path, storage_options)
+    m = read_manifest(storage)
+    tensors, values, per_rank = {}, {}, {}
+    for k, e in sorted(m.tree.entries.items()):
+        if e["kind"] == "tensor":
+            tensors[k] = TensorInfo(
+                tuple(e["shape"]), dtype_from_name(e["dtype"]),
+                tuple((tuple(c["offsets"]), tuple(c["sizes"])) for c in e["chunks"]),
+                sum(c["length"] for c in e["chunks"]),
+            )
+        elif e["kind"] == "value":
+            values[k] = decode_value(e["value"], where=k)
+        else:
+            per_rank[k] = sorted(int(r) for r in e["ranks"])
+    return Metadata(
+        world_size=m.world_size, created=datetime.fromtimestamp(m.created, tz=timezone.utc), version=m.version,
+        tensors=tensors, values=values, per_rank=per_rank, nbytes=sum(f["size"] for f in m.files.values()),
+    )
+
+
+def save_offline(rank_states: Iterable[tuple[int, Any]], path: PathLike, *, world_size: int, overwrite: bool = False,
+                 storage_options: dict[str, Any] | None = None) -> None:
+    """Write a checkpoint as if ``world_size`` ranks had saved it, from one process,
+    holding one rank's state at a time (converters). Replicated chunks are written
+    by the first rank that has them and checked against the others."""
+    from ._offline import save_offline as _impl
+
+    _impl(rank_states, storage_for(path, storage_options), world_size=world_size, overwrite=overwrite)
+
+
+__all__ = ["save", "load", "load_full", "metadata", "save_offline", "Metadata", "TensorInfo", "matches_prefix"]

@@ -1,0 +1,228 @@
+"""The manifest: one JSON document that describes a whole checkpoint.
+
+Its presence is the commit: a directory without ``manifest.json`` holds no
+checkpoint. :meth:`Manifest.parse` checks every field it will use, so a damaged
+or hostile manifest raises :class:`CorruptCheckpointError` instead of reaching
+a file outside the checkpoint, a huge allocation or an unexpected exception.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from ..storage.base import check_name
+from .datafile import DTYPES
+
+FORMAT_NAME = "shardpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CONTAINER_TYPES = ("dict", "list", "tuple")
+_MAX_DIMS = 64
+_MAX_NUMEL = 1 << 50
+
+
+def encode_value(v: Any) -> list[Any]:
+    """A plain value as a JSON array ``[type, payload]``. Raises ``TypeError`` for
+    anything that is not None, bool, int, float, str or bytes."""
+    if v is None:
+        return ["none"]
+    if isinstance(v, bool):
+        return ["bool", v]
+    if isinstance(v, int):
+        return ["int", str(int(v))]
+    if isinstance(v, float):
+        return ["float", float.hex(v)]
+    if isinstance(v, str):
+        return ["str", v]
+    if isinstance(v, (bytes, bytearray)):
+        return ["bytes", base64.b64encode(bytes(v)).decode()]
+    raise TypeError(type(v).__name__)
+
+
+def decode_value(e: Any, where: str = "value") -> Any:
+    """Inverse of :func:`encode_value`."""
+    try:
+        kind = e[0]
+        if kind == "none" and len(e) == 1:
+            return None
+        if len(e) != 2:
+            raise ValueError
+        p = e[1]
+        if kind == "bool" and isinstance(p, bool):
+            return p
+        if kind == "int" and isinstance(p, str) and len(p) < 5000:
+            return int(p)
+        if kind == "float" and isinstance(p, str):
+            return float.fromhex(p)
+        if kind == "str" and isinstance(p, str):
+            return p
+        if kind == "bytes" and isinstance(p, str):
+            return base64.b64decode(p, validate=True)
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError):
+        pass
+    raise CorruptCheckpointError(f"manifest: {where} is not a valid encoded value: {str(e)[:80]}")
+
+
+@dataclass(slots=True)
+class Tree:
+    """The keys of a (sub)tree: container types and leaf entries, keyed by encoded key
+    relative to the tree's root (the root container has key ``""``)."""
+
+    containers: dict[str, str] = field(default_factory=dict)
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"containers": self.containers, "entries": self.entries}
+
+
+@dataclass(slots=True)
+class Manifest:
+    """A parsed manifest. ``tree`` holds the top-level keys; a per-rank value's
+    entry has kind ``per_rank`` with one sub-tree per saving rank."""
+
+    world_size: int
+    created: float
+    save_id: str
+    tree: Tree
+    files: dict[str, dict[str, int]]
+    crc_block: int
+    library_version: str = ""
+    version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "library_version": self.library_version,
+            "created": self.created,
+            "world_size": self.world_size,
+            "save_id": self.save_id,
+            "checksum": {"algorithm": "crc32", "block_size": self.crc_block},
+            "files": self.files,
+            "containers": self.tree.containers,
+            "entries": self.tree.entries,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse and validate; raises :class:`CorruptCheckpointError` naming ``where``."""
+
+        def bad(msg: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
+
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise bad(f"not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise bad("missing 'format': 'shardpoint'")
+        version = doc.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise bad("'version' is not an integer")
+        if version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{where}: format version {version} is newer than this shardpoint reads ({FORMAT_VERSION}); "
+                "upgrade shardpoint to load this checkpoint"
+            )
+        ws = doc.get("world_size")
+        if not isinstance(ws, int) or isinstance(ws, bool) or not 1 <= ws <= 1 << 24:
+            raise bad("'world_size' is not a positive integer")
+        ck = doc.get("checksum")
+        if not isinstance(ck, dict) or ck.get("algorithm") != "crc32":
+            raise bad("'checksum' must be {'algorithm': 'crc32', 'block_size': N}")
+        block = ck.get("block_size")
+        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 40:
+            raise bad("'checksum.block_size' is not a positive integer")
+        files = doc.get("files")
+        if not isinstance(files, dict):
+            raise bad("'files' is not an object")
+        for name, info in files.items():
+            check_name(name)
+            if not isinstance(info, dict) or not _is_count(info.get("size")):
+                raise bad(f"files[{name!r}] has no valid 'size'")
+        created = doc.get("created", 0.0)
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise bad("'created' is not a number")
+        tree = _parse_tree(doc, files, block, bad, ws, depth=0)
+        return cls(
+            world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
+            files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
+        )
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
+def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int) -> Tree:
+    if not isinstance(doc, dict):
+        raise bad("a tree is not an object")
+    containers, entries = doc.get("containers"), doc.get("entries")
+    if not isinstance(containers, dict) or not isinstance(entries, dict):
+        raise bad("'containers' and 'entries' must be objects")
+    for k, v in containers.items():
+        if v not in CONTAINER_TYPES:
+            raise bad(f"container {k!r} has unknown type {v!r}")
+    for key, e in entries.items():
+        if not isinstance(e, dict):
+            raise bad(f"entry {key!r} is not an object")
+        kind = e.get("kind")
+        if kind == "value":
+            decode_value(e.get("value"), where=f"entry {key!r}")
+        elif kind == "tensor":
+            _check_tensor(key, e, files, block, bad)
+        elif kind == "per_rank" and depth == 0:
+            ranks = e.get("ranks")
+            if not isinstance(ranks, dict):
+                raise bad(f"entry {key!r}: 'ranks' is not an object")
+            for r, sub in ranks.items():
+                if not r.isdigit() or int(r) >= ws:
+                    raise bad(f"entry {key!r}: rank {r!r} is not a rank of the saving job")
+                _parse_tree(sub, files, block, bad, ws, depth + 1)
+        else:
+            raise bad(f"entry {key!r} has unknown kind {kind!r}")
+    return Tree(containers=containers, entries=entries)
+
+
+def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any) -> None:
+    dtype, shape, chunks = e.get("dtype"), e.get("shape"), e.get("chunks")
+    if dtype not in DTYPES:
+        raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
+        raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
+    numel = math.prod(shape)
+    if numel > _MAX_NUMEL:
+        raise bad(f"entry {key!r}: shape {shape} is implausibly large")
+    if not isinstance(chunks, list):
+        raise bad(f"entry {key!r}: 'chunks' is not a list")
+    covered = 0
+    for c in chunks:
+        if not isinstance(c, dict):
+            raise bad(f"entry {key!r}: a chunk is not an object")
+        off, size = c.get("offsets"), c.get("sizes")
+        if not (isinstance(off, list) and isinstance(size, list) and len(off) == len(size) == len(shape)):
+            raise bad(f"entry {key!r}: chunk offsets/sizes do not match the shape's rank")
+        if not all(_is_count(o) and _is_count(s) and o + s <= d for o, s, d in zip(off, size, shape)):
+            raise bad(f"entry {key!r}: a chunk lies outside the shape {shape}")
+        fname = c.get("file")
+        if not isinstance(fname, str) or fname not in files:
+            raise bad(f"entry {key!r}: chunk file {fname!r} is not listed in 'files'")
+        check_name(fname)
+        length, offset = c.get("length"), c.get("offset")
+        if not _is_count(length) or not _is_count(offset):
+            raise bad(f"entry {key!r}: chunk offset/length are not non-negative integers")
+        if offset + length > files[fname]["size"]:
+            raise bad(f"entry {key!r}: chunk bytes {offset}..{offset + length} lie beyond the end of {fname}")
+        crc = c.get("crc32")
+        want = max(1, -(-length // block))
+        if not isinstance(crc, list) or len(crc) != want or not all(_is_count(x) for x in crc):
+            raise bad(f"entry {key!r}: chunk 'crc32' must list {want} block checksums")
+        covered += math.prod(size)
+    if covered != numel:
+        raise bad(f"entry {key!r}: chunks cover {covered} elements, the shape {shape} has {numel}")

@@ -1,0 +1,86 @@
+"""Local chunks of plain tensors, DTensors, flat partitions and numpy arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..plan.boxes import Box, flat_range_boxes
+from .flat import FlatShard
+
+
+@dataclass(slots=True)
+class LocalChunks:
+    """What this rank holds of one tensor.
+
+    ``views[i]`` is a tensor of shape ``boxes[i].sizes`` that aliases the user's
+    storage (so copying into it loads in place). ``sharded`` is False for a plain
+    tensor, which every holder has whole (replicated)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    boxes: list[Box]
+    views: list[torch.Tensor]
+    sharded: bool
+    numpy: bool = False
+    layout: str = "replicated"
+
+
+def chunks_of(key: str, leaf: object) -> LocalChunks:
+    """Describe a tensor leaf. Raises ``ValueError`` naming ``key`` for layouts that
+    are not boxes (``Partial``, strided shards)."""
+    if isinstance(leaf, FlatShard):
+        stop = leaf.start + leaf.local.numel()
+        boxes = flat_range_boxes(leaf.shape, leaf.start, stop)
+        views, pos = [], 0
+        for b in boxes:
+            views.append(leaf.local[pos : pos + b.numel].view(b.sizes))
+            pos += b.numel
+        return LocalChunks(leaf.shape, leaf.local.dtype, boxes, views, True, layout="flat")
+    if isinstance(leaf, np.ndarray):
+        if leaf.dtype.hasobject or leaf.dtype.kind in "USVMm":
+            raise ValueError(f"key {key!r}: numpy arrays of dtype {leaf.dtype} cannot be saved; use a numeric dtype")
+        t = torch.from_numpy(leaf) if all(s >= 0 for s in leaf.strides) else torch.from_numpy(leaf.copy())
+        shape = tuple(t.shape)
+        return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], False, numpy=True)
+    assert isinstance(leaf, torch.Tensor)
+    dt = _as_dtensor(leaf)
+    if dt is not None:
+        return _dtensor_chunks(key, dt)
+    t = leaf.detach()
+    shape = tuple(t.shape)
+    return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], False)
+
+
+def _as_dtensor(t: torch.Tensor):  # type: ignore[no-untyped-def]
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return t if isinstance(t, DTensor) else None
+
+
+def _dtensor_chunks(key: str, dt) -> LocalChunks:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(dt.placements)
+    for p in placements:
+        if type(p) not in (Shard, Replicate):
+            raise ValueError(
+                f"key {key!r}: DTensor placement {p} is not supported; only Shard(d) and Replicate keep each "
+                "rank's piece one box. Call .redistribute() to Shard/Replicate (or .full_tensor()) before saving"
+            )
+    shape = tuple(dt.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, placements)
+    local = dt.to_local().detach()
+    if tuple(local.shape) != tuple(local_shape):
+        raise ValueError(
+            f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
+            f"{placements} give {tuple(local_shape)}; the layout is not one box and cannot be saved"
+        )
+    box = Box(tuple(int(o) for o in offset), tuple(int(s) for s in local_shape))
+    sharded = any(isinstance(p, Shard) for p in placements)
+    return LocalChunks(shape, local.dtype, [box], [local], sharded, layout="dtensor")

@@ -1,0 +1,23 @@
+"""Pure planning: boxes, dedup and balance, overlap validation, read plans.
+
+No I/O and no torch.distributed here: given what every rank holds and what a
+checkpoint holds, these functions return plans. Arrays, not an object per chunk,
+so that planning for thousands of ranks stays fast.
+"""
+
+from .boxes import Box, box_runs, intersect
+from .save import ChunkTable, PlanError, SavePlan, plan_save, validate_partition
+from .read import ReadOp, plan_reads
+
+__all__ = [
+    "Box",
+    "box_runs",
+    "intersect",
+    "ChunkTable",
+    "PlanError",
+    "SavePlan",
+    "plan_save",
+    "validate_partition",
+    "ReadOp",
+    "plan_reads",
+]

@@ -1,0 +1,182 @@
+"""Nested state <-> flat leaves with typed keys.
+
+A key is the path from the root joined with ``/``. ``str`` segments are escaped
+(``%`` -> ``%25``, ``/`` -> ``%2F``; a str segment that reads as an integer has its
+first character percent-encoded, so ``"0"`` -> ``%30``); ``int`` segments are
+written in decimal. So ``{0: x}`` and ``{"0": x}`` get different keys, and every
+key decodes back to its typed path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .layout import FlatShard
+
+__all__ = ["PerRank", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
+
+_INT = re.compile(r"^-?[0-9]+$")
+
+
+class PerRank:
+    """Marks a value that differs between ranks and is kept once per rank (an RNG
+    state, a per-rank data loader position). Without it, every value is taken as
+    replicated among the ranks that hold it and must be identical on all of them.
+
+    On load, rank ``r`` gets the value saved by rank ``r``; a rank that did not exist
+    at save time keeps its current value (``LoadReport.per_rank`` says which)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
+def _enc(seg: str | int) -> str:
+    if isinstance(seg, bool) or not isinstance(seg, (str, int)):
+        raise TypeError(seg)
+    if isinstance(seg, int):
+        return str(seg)
+    s = seg.replace("%", "%25").replace("/", "%2F")
+    if _INT.match(s):
+        s = f"%{ord(s[0]):02X}{s[1:]}"
+    return s
+
+
+def join(prefix: str, seg: str | int) -> str:
+    """Append one segment to an encoded key (``""`` is the root)."""
+    e = _enc(seg)
+    return e if prefix == "" else f"{prefix}/{e}"
+
+
+def encode_key(path: tuple[str | int, ...] | list[str | int]) -> str:
+    """Typed path -> key string."""
+    out = ""
+    for seg in path:
+        out = join(out, seg)
+    return out
+
+
+def decode_key(key: str) -> tuple[str | int, ...]:
+    """Key string -> typed path."""
+    if key == "":
+        return ()
+    out: list[str | int] = []
+    for part in key.split("/"):
+        if _INT.match(part):
+            out.append(int(part))
+        else:
+            out.append(re.sub(r"%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), part))
+    return tuple(out)
+
+
+def matches_prefix(key: str, prefixes: list[str] | tuple[str, ...]) -> bool:
+    """Whether ``key`` equals a prefix or lies under it, on whole segments
+    (``model`` matches ``model/w``, never ``model_ema/w``)."""
+    for p in prefixes:
+        p = p.rstrip("/")
+        if p == "" or key == p or key.startswith(p + "/"):
+            return True
+    return False
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the Stateful protocol (``state_dict``/``load_state_dict``)."""
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping, list, tuple))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+@dataclass(slots=True)
+class Node:
+    """One node of the walked state. ``kind``: dict, list, tuple (containers),
+    stateful, per_rank, tensor, value."""
+
+    kind: str
+    obj: Any = None
+    children: dict[str | int, Node] = field(default_factory=dict)
+    inner: Node | None = None
+
+
+@dataclass(slots=True)
+class Walk:
+    """The flat view of a (sub)tree: container types and leaf nodes by key, and the
+    per-rank sub-walks by key."""
+
+    root: Node
+    containers: dict[str, str] = field(default_factory=dict)
+    leaves: dict[str, Node] = field(default_factory=dict)
+    per_rank: dict[str, Walk] = field(default_factory=dict)
+
+
+def walk(state: Any, prefix: str = "") -> Walk:
+    """Walk ``state`` once, calling each Stateful object's ``state_dict()`` exactly
+    once. Raises ``TypeError`` naming the key of anything that cannot be saved."""
+    w = Walk(root=Node("dict"))
+    w.root = _walk(state, prefix, w, in_per_rank=False)
+    return w
+
+
+def _walk(obj: Any, key: str, w: Walk, in_per_rank: bool) -> Node:
+    if isinstance(obj, PerRank):
+        if in_per_rank:
+            return _walk(obj.value, key, w, True)
+        sub = Walk(root=Node("dict"))
+        sub.root = _walk(obj.value, key, sub, in_per_rank=True)
+        w.per_rank[key] = sub
+        return Node("per_rank", obj=obj, inner=sub.root)
+    if isinstance(obj, (torch.Tensor, FlatShard, np.ndarray)):
+        n = Node("tensor", obj=obj)
+        w.leaves[key] = n
+        return n
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, _PLAIN):
+        n = Node("value", obj=obj)
+        w.leaves[key] = n
+        return n
+    if isinstance(obj, Mapping):
+        n = Node("dict", obj=obj)
+        w.containers[key] = "dict"
+        seen: dict[str, Any] = {}
+        for k, v in obj.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise TypeError(
+                    f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
+                    "only str and int keys can be saved: convert the key to str"
+                )
+            ck = join(key, k)
+            seen[ck] = k
+            n.children[k] = _walk(v, ck, w, in_per_rank)
+        return n
+    if isinstance(obj, (list, tuple)):
+        kind = "list" if isinstance(obj, list) else "tuple"
+        n = Node(kind, obj=obj)
+        w.containers[key] = kind
+        for i, v in enumerate(obj):
+            n.children[i] = _walk(v, join(key, i), w, in_per_rank)
+        return n
+    if is_stateful(obj):
+        sd = obj.state_dict()
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
+        return Node("stateful", obj=obj, inner=_walk(sd, key, w, in_per_rank))
+    raise TypeError(
+        f"key {key or '<root>'!r} holds a {type(obj).__module__}.{type(obj).__name__}, which shardpoint cannot save: "
+        "use tensors, numpy arrays, None/bool/int/float/str/bytes, dicts, lists, tuples, or an object "
+        "with state_dict()/load_state_dict()"
+    )
