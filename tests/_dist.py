@@ -4,6 +4,7 @@ process group on a free loopback port, a bound on time, and no leftovers."""
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -33,7 +34,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
-        q.put((rank, True, result))
+        # plain pickle copies tensors by value; torch's queue would share memory with a
+        # process that is about to exit
+        q.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -87,4 +90,4 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     failed = {r: v for r, (ok, v) in results.items() if not ok}
     if failed:
         raise RankFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
-    return [results[r][1] for r in range(world_size)]
+    return [pickle.loads(results[r][1]) for r in range(world_size)]

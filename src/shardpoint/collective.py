@@ -81,7 +81,9 @@ class Comm:
             if cur.startswith(b"aborted"):
                 self._raise_aborted(op, path, cur)
             n = int(cur.decode().split(":")[1]) if cur else 0
-            new = f"open:{n + 1}".encode()
+            # the value names who wrote it: compare_set answers with the current value
+            # both on success and on a lost race, so only a unique value tells them apart
+            new = f"open:{n + 1}:{self.rank}".encode()
             got = store.compare_set(state_key, cur.decode() if cur else "", new.decode())
             if got == new:
                 break
@@ -90,7 +92,7 @@ class Comm:
         pause = 0.002
         while True:
             cur = store.get(state_key)
-            if cur == f"open:{world}".encode():
+            if cur.startswith(f"open:{world}:".encode()):
                 break
             if cur.startswith(b"aborted"):
                 self._raise_aborted(op, path, cur)
