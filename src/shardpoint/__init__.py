@@ -15,6 +15,7 @@ from .errors import (  # noqa: E402
     ShardpointError,
 )
 from .report import LoadReport  # noqa: E402
+from .state import TrainState  # noqa: E402
 from .tree import PerRank  # noqa: E402
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "load_full",
     "metadata",
     "PerRank",
+    "TrainState",
     "LoadReport",
     "ShardpointError",
     "CheckpointNotFoundError",

@@ -116,6 +116,9 @@ def load(
     try:
         manifest = read_manifest(storage)
         report.world_size = manifest.world_size
+        prepare = getattr(state, "_shardpoint_prepare_load", None)
+        if prepare is not None:  # TrainState: create lazily-absent optimizer state first
+            prepare(manifest.tree.entries, select)
         try:
             w = walk(state)
         except TypeError as e:
@@ -144,9 +147,12 @@ def load(
                 loads += load_per_rank(key, top.walk.per_rank[key], entry, comm.rank, select, reader, report, strict, create)
         reader.run()
         report.bytes_read = reader.bytes_read
-        top.fill(top.walk.root, "")
-        for tl in loads[1:]:
+        for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
             _fill_per_rank(top.walk, tl)
+        top.fill(top.walk.root, "")
+        after = getattr(state, "_shardpoint_after_load", None)
+        if after is not None:
+            after(report, comm.rank)
         err = None
     except Exception as e:  # noqa: BLE001
         err = e
