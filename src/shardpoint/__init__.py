@@ -15,6 +15,7 @@ from .errors import (  # noqa: E402
     ShardpointError,
 )
 from .report import LoadReport  # noqa: E402
+from .manager import CheckpointInfo, CheckpointManager  # noqa: E402
 from .state import TrainState  # noqa: E402
 from .tree import PerRank  # noqa: E402
 
@@ -25,6 +26,8 @@ __all__ = [
     "metadata",
     "PerRank",
     "TrainState",
+    "CheckpointManager",
+    "CheckpointInfo",
     "LoadReport",
     "ShardpointError",
     "CheckpointNotFoundError",

@@ -12,6 +12,7 @@ phase raises on every rank and leaves no manifest.
 
 from __future__ import annotations
 
+import contextvars
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -278,7 +279,8 @@ def build_manifest(plan: _Plan, metas: list[dict[str, Any]], statuses: list[dict
     )
 
 
-def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: BaseException | None, overwrite: bool, hook: Any = None) -> None:
+def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: BaseException | None, overwrite: bool,
+                    after_commit: Any = None) -> None:
     """Phases 1-3 given this rank's described state (or the error describing it)."""
     meta = None
     if local is not None:
@@ -292,13 +294,13 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
             f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it, or save to a new path"
         )
     plan = make_plan(metas)
-    _fire(hook, "planned")
+    _fire("planned")
     save_id = metas[0]["save_id"]
     fname = f"r{comm.rank:05d}-{save_id}.safetensors"
     status, err = None, None
     try:
         status = write_rank(storage, fname, local, plan, comm.rank)  # type: ignore[arg-type]
-        _fire(hook, "written")
+        _fire("written")
     except Exception as e:  # noqa: BLE001 - fanned out to every rank below
         err = e
     try:
@@ -317,13 +319,15 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
                 except ShardpointError:
                     old_files = []
             manifest = build_manifest(plan, metas, statuses, save_id)
-            _fire(hook, "before_commit")
+            _fire("before_commit")
             storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
-            _fire(hook, "committed")
+            _fire("committed")
             new_files = set(manifest.files)
             for f in old_files:
                 if f not in new_files:
                     storage.remove(f)
+            if after_commit is not None:
+                after_commit()
         except Exception as e:  # noqa: BLE001
             commit_err = e
     try:
@@ -337,8 +341,11 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
 #: "before_commit", "committed"); the failure tests set it to kill a rank there.
 phase_hook: Any = None
 
+#: Set by CheckpointManager around a save: rank 0 runs it after the manifest is
+#: written and before the other ranks return (it points ``latest`` and retains).
+after_commit_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("after_commit_hook", default=None)
 
-def _fire(hook: Any, phase: str) -> None:
-    for h in (hook, phase_hook):
-        if h is not None:
-            h(phase)
+
+def _fire(phase: str) -> None:
+    if phase_hook is not None:
+        phase_hook(phase)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ._load import Reader, TreeLoad, _Pending, _Selector, leaf_value, load_per_rank, materialise_tree, read_manifest
-from ._save import _Local, describe, save_collective
+from ._save import _Local, after_commit_hook, describe, save_collective
 from .collective import Comm, agree
 from .format.datafile import dtype_from_name
 from .format.manifest import Tree, decode_value
@@ -56,18 +56,22 @@ def save(
     """
     comm = Comm(process_group, timeout)
     storage = storage_for(path, storage_options)
-    comm.arrive("save", storage.url)
+    after_commit = after_commit_hook.get()
     if not blocking:
         from .asyncsave import save_async
 
-        return save_async(comm, storage, state, overwrite)
+        return save_async(comm, storage, state, overwrite, after_commit)
+    from .asyncsave import wait_in_flight
+
+    wait_in_flight()  # one save at a time: an earlier async save commits (or raises) first
+    comm.arrive("save", storage.url)
     local: _Local | None = None
     err: BaseException | None = None
     try:
         local = describe(state, comm.rank)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
-    save_collective(comm, storage, local, err, overwrite)
+    save_collective(comm, storage, local, err, overwrite, after_commit)
     return None
 
 

@@ -1,0 +1,150 @@
+"""Asynchronous save: stage, return, write and commit in the background.
+
+The call blocks only for the arrival check, the walk of the state and one copy
+of the local tensors into a staging buffer that is reused across saves (pinned
+host memory when the tensors live on a GPU). Planning, checksums, the replica
+check, the writes and the commit run in a background thread whose collectives
+use shardpoint's own gloo group, never the training group. One save is in flight
+at a time; the next save (or :meth:`SaveHandle.wait`) waits for it and re-raises
+its error. A save still in flight at interpreter exit is abandoned without a
+manifest (so nothing torn is ever committed) and a loud warning names it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from ._save import _Local, describe, save_collective
+from .collective import Comm
+from .storage import Storage
+
+_ALIGN = 64
+
+
+class SaveHandle:
+    """What ``save(..., blocking=False)`` returns."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is committed; re-raise its error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the asynchronous save to {self.path} is still running after {timeout}s")
+        global _in_flight
+        if _in_flight is self:
+            _in_flight = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, done={self.done()})"
+
+
+class _Staging:
+    """One reusable host buffer that holds a copy of the local tensors."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel()
+
+    def stage(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        offs, total = [], 0
+        for v in views:
+            offs.append(total)
+            total += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
+        on_gpu = any(v.device.type == "cuda" for v in views)
+        if self.buf is None or self.buf.numel() < total:
+            self.buf = None  # free the old one before allocating the new
+            self.buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_gpu and torch.cuda.is_available())
+        out = []
+        for v, off in zip(views, offs):
+            n = v.numel() * v.element_size()
+            if n == 0:
+                out.append(torch.empty(v.shape, dtype=v.dtype))
+                continue
+            dst = self.buf[off : off + n].view(v.dtype).view(v.shape)
+            dst.copy_(v.detach(), non_blocking=on_gpu)
+            out.append(dst)
+        if on_gpu:
+            torch.cuda.synchronize()
+        return out
+
+
+_staging = _Staging()
+_in_flight: SaveHandle | None = None
+
+
+def wait_in_flight() -> None:
+    """Wait for the save in flight, if any (re-raising its error)."""
+    h = _in_flight
+    if h is not None:
+        h.wait()
+
+
+def staging_nbytes() -> int:
+    """Bytes held by the staging buffer (for tests and benchmarks)."""
+    return _staging.nbytes
+
+
+def save_async(comm: Comm, storage: Storage, state: Any, overwrite: bool, after_commit: Any) -> SaveHandle:
+    """Stage ``state`` and continue the save in the background."""
+    global _in_flight
+    wait_in_flight()
+    comm.arrive("save", storage.url)
+    local: _Local | None = None
+    err: BaseException | None = None
+    try:
+        local = describe(state, comm.rank)
+        staged = _staging.stage(local.views + [v for vs in local.per_rank_views.values() for v in vs])
+        n = len(local.views)
+        local.views = staged[:n]
+        pos = n
+        for k, vs in local.per_rank_views.items():
+            local.per_rank_views[k] = staged[pos : pos + len(vs)]
+            pos += len(vs)
+    except Exception as e:  # noqa: BLE001 - fanned out in the background
+        local, err = None, e
+    handle = SaveHandle(storage.url)
+
+    def run() -> None:
+        try:
+            save_collective(comm, storage, local, err, overwrite, after_commit)
+        except BaseException as e:  # noqa: BLE001 - surfaced on wait()
+            handle._error = e
+        finally:
+            handle._done.set()
+
+    handle._thread = threading.Thread(target=run, name="shardpoint-save", daemon=True)
+    _in_flight = handle
+    handle._thread.start()
+    return handle
+
+
+@atexit.register
+def _warn_in_flight() -> None:
+    h = _in_flight
+    if h is not None and not h.done():
+        print(
+            f"shardpoint WARNING: an asynchronous save to {h.path} was still in flight at exit and was NOT committed "
+            "(no manifest was written, so it does not count as a checkpoint). Call handle.wait() or "
+            "CheckpointManager.wait() before exiting or destroying the process group.",
+            file=sys.stderr,
+            flush=True,
+        )
