@@ -2,8 +2,8 @@
 
 A key is the path from the root joined with ``/``. ``str`` segments are escaped
 (``%`` -> ``%25``, ``/`` -> ``%2F``; a str segment that reads as an integer has its
-first character percent-encoded, so ``"0"`` -> ``%30``); ``int`` segments are
-written in decimal. So ``{0: x}`` and ``{"0": x}`` get different keys, and every
+first character percent-encoded, so ``"0"`` -> ``%30``; the empty string is
+``%``); ``int`` segments are written in decimal. So ``{0: x}`` and ``{"0": x}`` get different keys, and every
 key decodes back to its typed path.
 """
 
@@ -46,6 +46,8 @@ def _enc(seg: str | int) -> str:
         raise TypeError(seg)
     if isinstance(seg, int):
         return str(seg)
+    if seg == "":
+        return "%"  # a lone '%' never comes out of the escaping below
     s = seg.replace("%", "%25").replace("/", "%2F")
     if _INT.match(s):
         s = f"%{ord(s[0]):02X}{s[1:]}"
@@ -74,6 +76,8 @@ def decode_key(key: str) -> tuple[str | int, ...]:
     for part in key.split("/"):
         if _INT.match(part):
             out.append(int(part))
+        elif part == "%":
+            out.append("")
         else:
             out.append(re.sub(r"%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), part))
     return tuple(out)
