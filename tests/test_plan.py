@@ -11,7 +11,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardpoint.plan import Box, ChunkTable, PlanError, box_runs, intersect, plan_reads, plan_save, validate_partition
+from shardpoint.plan import (
+    Box,
+    ChunkTable,
+    PlanError,
+    box_runs,
+    intersect,
+    plan_reads,
+    plan_save,
+    validate_partition,
+)
 from shardpoint.plan.boxes import flat_range_boxes
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -52,12 +61,12 @@ def tiling(draw, shape: tuple[int, ...], max_depth: int = 4) -> list[Box]:
 
 
 def cells(b: Box) -> set[tuple[int, ...]]:
-    return set(itertools.product(*(range(o, o + s) for o, s in zip(b.offsets, b.sizes))))
+    return set(itertools.product(*(range(o, o + s) for o, s in zip(b.offsets, b.sizes, strict=False))))
 
 
 def flat_index(cell: tuple[int, ...], within: Box) -> int:
     i = 0
-    for c, o, s in zip(cell, within.offsets, within.sizes):
+    for c, o, s in zip(cell, within.offsets, within.sizes, strict=False):
         i = i * s + (c - o)
     return i
 
@@ -89,13 +98,13 @@ def test_box_runs_matches_brute_force(data) -> None:  # type: ignore[no-untyped-
     shape = data.draw(shapes)
     within = data.draw(box_in(shape))
     rel = data.draw(box_in(within.sizes))
-    region = Box(tuple(o + w for o, w in zip(rel.offsets, within.offsets)), rel.sizes)
+    region = Box(tuple(o + w for o, w in zip(rel.offsets, within.offsets, strict=False)), rel.sizes)
     first, last, run, count = box_runs(region, within)
     idx = sorted(flat_index(c, within) for c in cells(region))
     assert first == idx[0] and last == idx[-1] + 1
     # maximal contiguous runs of the region's elements in the row-major layout of `within`
     runs, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
+    for a, b in zip(idx, idx[1:] + [None], strict=False):
         if b != a + 1:
             runs.append(a + 1 - start)
             start = b
@@ -138,9 +147,9 @@ def raster_problems(keys: list[int], boxes: list[Box], key_shapes: list[tuple[in
     bad = set()
     for k, shape in enumerate(key_shapes):
         cover = np.zeros(shape, dtype=np.int64)
-        for kk, b in zip(keys, boxes):
+        for kk, b in zip(keys, boxes, strict=False):
             if kk == k:
-                cover[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))] += 1
+                cover[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes, strict=False))] += 1
         if (cover != 1).any():
             bad.add(k)
     return bad

@@ -34,7 +34,7 @@ def test_key_round_trip(path) -> None:  # type: ignore[no-untyped-def]
 @settings(max_examples=300, deadline=None)
 @given(paths, paths)
 def test_distinct_paths_give_distinct_keys(a, b) -> None:  # type: ignore[no-untyped-def]
-    same_typed = len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
+    same_typed = len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b, strict=False))
     assert (encode_key(a) == encode_key(b)) == same_typed
 
 
@@ -95,5 +95,5 @@ def test_matches_prefix_whole_segments(key: str, prefixes: list[str], want: bool
 @settings(max_examples=200, deadline=None)
 @given(paths, paths)
 def test_matches_prefix_is_path_prefix(a, b) -> None:  # type: ignore[no-untyped-def]
-    is_prefix = len(a) <= len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
+    is_prefix = len(a) <= len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b, strict=False))
     assert matches_prefix(encode_key(b), [encode_key(a)]) == is_prefix
