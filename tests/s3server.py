@@ -78,8 +78,11 @@ class S3Server:
         import boto3
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name=REGION,
-            aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=REGION,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
         )
 
     def new_bucket(self, prefix: str = "sp") -> str:
@@ -131,7 +134,9 @@ def _start(log: Any) -> tuple[subprocess.Popen[bytes], str]:
     try:
         import moto.server  # noqa: F401 - only to fail early with a clear reason
     except ImportError as e:
-        raise S3ServerUnavailable(f"moto[server] is not installed ({e}); pip install 'moto[server]>=5'") from None
+        raise S3ServerUnavailable(
+            f"moto[server] is not installed ({e}); pip install 'moto[server]>=5'"
+        ) from None
     env = dict(os.environ)
     env.pop("AWS_ENDPOINT_URL", None)
     last = ""
@@ -140,7 +145,10 @@ def _start(log: Any) -> tuple[subprocess.Popen[bytes], str]:
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline and proc.poll() is None:
@@ -153,7 +161,9 @@ def _start(log: Any) -> tuple[subprocess.Popen[bytes], str]:
         last = log.read().decode(errors="replace")[-2000:]
         if proc.returncode is not None and "address already in use" not in last.lower():
             break
-    raise S3ServerUnavailable(f"moto's S3 server did not answer on 127.0.0.1 within {START_TIMEOUT:.0f}s; its output:\n{last}")
+    raise S3ServerUnavailable(
+        f"moto's S3 server did not answer on 127.0.0.1 within {START_TIMEOUT:.0f}s; its output:\n{last}"
+    )
 
 
 @contextlib.contextmanager

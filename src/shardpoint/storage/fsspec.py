@@ -25,10 +25,11 @@ unaffected.
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import CorruptCheckpointError
 from .base import Storage, check_name
@@ -75,7 +76,7 @@ class FsspecStorage(Storage):
         self.url = url.rstrip("/") if not url.endswith("://") else url
         if _fs is None:
             try:
-                from fsspec.core import url_to_fs
+                from fsspec.core import url_to_fs  # type: ignore[import-untyped]
             except ImportError:
                 raise ImportError(
                     f"saving to {url} needs fsspec (and s3fs for s3://): pip install 'shardpoint[s3]'"
@@ -115,7 +116,7 @@ class FsspecStorage(Storage):
                 if not getattr(fs, "_shardpoint_connected", False):
                     connect = getattr(fs, "set_session", None)
                     if connect is not None and getattr(fs, "async_impl", False):
-                        from fsspec.asyn import sync
+                        from fsspec.asyn import sync  # type: ignore[import-untyped]
 
                         sync(fs.loop, connect)
                     fs._shardpoint_connected = True
@@ -193,15 +194,20 @@ class FsspecStorage(Storage):
                 "(restore the object or use another checkpoint)"
             ) from None
         except OSError as e:
-            # S3 answers a range that starts past the end with 416 InvalidRange
-            if "range" in str(e).lower():
-                self._short(name, offset, length or 0, None)
-            raise
+            # S3 answers a range that starts at or past the end with 416 InvalidRange
+            if "range" not in str(e).lower():
+                raise
+            size = fs.size(path)
+            if length is None and offset == size:
+                return b""
+            self._short(name, offset, length or 0, size)
         if length is not None and len(data) != length:
             self._short(name, offset, length, None if len(data) == 0 else offset + len(data))
+        if length is None and not data and offset > 0 and offset > fs.size(path):
+            self._short(name, offset, 0, None)
         return data
 
-    def _short(self, name: str, offset: int, length: int, size: int | None) -> None:
+    def _short(self, name: str, offset: int, length: int, size: int | None) -> NoReturn:
         if size is None:
             try:
                 size = self.fs.size(self._path(name))
@@ -240,7 +246,7 @@ class FsspecStorage(Storage):
                     out.append(rel)
         return sorted(out)
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         fs = self._fs()
         try:
             entries = fs.ls(self.root, detail=True)
@@ -281,7 +287,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             pass
 
-    def _find_full(self) -> list[str]:
+    def _find_full(self) -> builtins.list[str]:
         try:
             return [self.fs._strip_protocol(p) for p in self._fs().find(self.root)]
         except FileNotFoundError:
@@ -296,7 +302,7 @@ def _abandon(f: Any) -> None:
     """Drop a half-written file without publishing it: abort the multipart upload
     (S3) and mark the file closed, so neither ``close()`` nor the garbage
     collector completes the upload with the part written so far."""
-    from fsspec.spec import AbstractBufferedFile
+    from fsspec.spec import AbstractBufferedFile  # type: ignore[import-untyped]
 
     try:
         if isinstance(f, AbstractBufferedFile):
