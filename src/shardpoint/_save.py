@@ -172,6 +172,8 @@ def _cpu(v: torch.Tensor) -> torch.Tensor:
 
 
 def _tname(key: str, off: list[int]) -> str:
+    """The safetensors name of a chunk: unique in its file (the offsets after the
+    last '@' name the box; a key never starts with '/')."""
     return f"{key}@{','.join(map(str, off))}"
 
 
@@ -195,7 +197,8 @@ def write_rank(storage: Storage, fname: str, local: _Local, plan: _Plan | None, 
         prow = local.meta["per_rank"][pkey]["chunks"]
         for i, v in enumerate(views):
             per_rank_idx.append((pkey, i))
-            to_write.append((f"per_rank/{_tname(prow['key'][i], prow['off'][i])}", _cpu(v)))
+            # a leading '/' never starts a key, so this cannot collide with a top-level key "per_rank/..."
+            to_write.append((f"/per_rank/{_tname(prow['key'][i], prow['off'][i])}", _cpu(v)))
     if not to_write:
         return {"file": None, "size": 0, "rows": [], "replica_crcs": replica_crcs, "per_rank": {}}
     written = write_data_file(storage, fname, to_write)
