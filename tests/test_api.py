@@ -1,0 +1,502 @@
+"""save / load / load_full / metadata in one plain process, without
+torch.distributed: every kind of leaf, in-place loads, seed 003 (lazily absent
+keys), strictness and only/exclude, Stateful objects, overwrite, and data files
+that safetensors opens."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, ShardpointError
+from shardpoint.layout import FlatShard
+from shardpoint.tree import walk
+
+# dtypes safetensors names; the rest are stored as raw bytes ("U8") with the true dtype in the manifest
+SAFETENSORS_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]
+BYTES_DTYPES = [torch.complex64, torch.complex128, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 5), seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 7
+    if dtype == torch.bool:
+        return x > 0
+    if dtype.is_complex:
+        return torch.complex(x, x.flip(-1) if x.dim() else x).to(dtype)
+    if dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        return x.abs().to(dtype)
+    return x.to(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, and for dtypes without comparison kernels)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+PLAIN = {
+    "none": None, "true": True, "false": False, "int": 3, "neg": -7, "big": 2**100 + 1, "negbig": -(2**70),
+    "float": 0.1, "inf": math.inf, "ninf": -math.inf, "nan": math.nan, "negzero": -0.0, "tiny": 5e-324,
+    "str": "héllo/%2F", "empty_str": "", "bytes": b"\x00\xff\x80", "empty_bytes": b"",
+}
+
+
+def full_state() -> dict:
+    return {
+        "tensors": {str(dt).removeprefix("torch."): sample(dt, seed=i) for i, dt in enumerate(SAFETENSORS_DTYPES + BYTES_DTYPES)},
+        "shapes": {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "vec": torch.arange(7, dtype=torch.int64),
+                   "4d": sample(torch.float32, (2, 1, 3, 2))},
+        "numpy": {"f32": np.arange(6, dtype=np.float32).reshape(2, 3), "i16": np.arange(-2, 2, dtype=np.int16),
+                  "bool": np.array([True, False])},
+        "plain": dict(PLAIN),
+        "nested": (1, [2, (3.5, "x", None)], {"k": torch.ones(2), 0: "int key", "0": "str key"}),
+        "": {"a/b": torch.full((2,), 4.0)},
+    }
+
+
+def zero_like(state):  # type: ignore[no-untyped-def]
+    """The same structure with every tensor zeroed and every plain value changed."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, np.ndarray):
+        return np.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: zero_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zero_like(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(zero_like(v) for v in state)
+    return "placeholder"
+
+
+def assert_same(got, want, where: str = "") -> None:  # type: ignore[no-untyped-def]
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert same_bytes(got, want), f"{where}: tensors differ"
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and np.array_equal(got, want), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want) or set(got) == set(want), f"{where}: keys {list(got)} != {list(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}/{i}")
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), where
+    elif isinstance(want, float):
+        assert got == want and math.copysign(1, got) == math.copysign(1, want), f"{where}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def tensors_of(state, prefix: str = ""):  # type: ignore[no-untyped-def]
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from tensors_of(v, f"{prefix}/{k}")
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from tensors_of(v, f"{prefix}/{i}")
+
+
+# --- round trips --------------------------------------------------------------------
+
+def test_round_trip_every_leaf_kind_in_place(tmp_path: Path) -> None:
+    state = full_state()
+    shardpoint.save(state, tmp_path / "ckpt")
+    target = zero_like(state)
+    ptrs = {k: t.data_ptr() for k, t in tensors_of(target)}
+    objs = {k: t for k, t in tensors_of(target)}
+    report = shardpoint.load(target, tmp_path / "ckpt")
+    assert_same(target, state)
+    assert {k: t.data_ptr() for k, t in tensors_of(target)} == ptrs, "a tensor was replaced instead of filled"
+    assert all(t is objs[k] for k, t in tensors_of(target))
+    assert not report.missing and not report.created and not report.unexpected and not report.skipped
+    assert "plain/nan" in report.loaded and "%/a%2Fb" in report.loaded and "nested/2/%30" in report.loaded
+    assert report.world_size == 1
+
+
+def test_load_full_rebuilds_everything(tmp_path: Path) -> None:
+    state = full_state()
+    shardpoint.save(state, tmp_path / "ckpt")
+    assert_same(shardpoint.load_full(tmp_path / "ckpt"), state)
+
+
+def test_root_may_be_a_single_tensor_or_list(tmp_path: Path) -> None:
+    t = sample(torch.float32)
+    shardpoint.save(t, tmp_path / "t")
+    target = torch.zeros_like(t)
+    shardpoint.load(target, tmp_path / "t")
+    assert torch.equal(target, t)
+    assert torch.equal(shardpoint.load_full(tmp_path / "t"), t)
+    shardpoint.save([t, 1], tmp_path / "l")
+    target = [torch.zeros_like(t), 0]
+    report = shardpoint.load(target, tmp_path / "l")
+    assert torch.equal(target[0], t) and target[1] == 1 and report.loaded == ["0", "1"]
+
+
+def test_noncontiguous_and_view_tensors(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"t": base.t(), "slice": base[1:3, ::2], "exp": torch.ones(1, 3).expand(4, 3)}
+    shardpoint.save(state, tmp_path / "ckpt")
+    target = {"t": torch.zeros(6, 4).t().contiguous().t(), "slice": torch.zeros(2, 3), "exp": torch.zeros(4, 3)}
+    ptr = target["t"].data_ptr()
+    shardpoint.load(target, tmp_path / "ckpt")
+    for k in state:
+        assert torch.equal(target[k], state[k]), k
+    assert target["t"].data_ptr() == ptr and not target["t"].is_contiguous()
+
+
+def test_dtype_of_target_is_kept_and_reported_as_cast(tmp_path: Path) -> None:
+    shardpoint.save({"w": torch.tensor([1.5, 2.5])}, tmp_path / "ckpt")
+    target = {"w": torch.zeros(2, dtype=torch.float64)}
+    report = shardpoint.load(target, tmp_path / "ckpt")
+    assert target["w"].dtype == torch.float64 and target["w"].tolist() == [1.5, 2.5]
+    assert report.cast == ["w"]
+
+
+def test_flat_shard_in_one_process(tmp_path: Path) -> None:
+    """A ZeRO-style flat partition held whole by one process round-trips in place."""
+    w = sample(torch.float32, (3, 4))
+    buf = w.reshape(-1).clone()
+    shardpoint.save({"w": FlatShard(buf, (3, 4), 0)}, tmp_path / "ckpt")
+    assert torch.equal(shardpoint.load_full(tmp_path / "ckpt")["w"], w)
+    out = torch.zeros(12)
+    shardpoint.load({"w": FlatShard(out, (3, 4), 0)}, tmp_path / "ckpt")
+    assert torch.equal(out, buf)
+    with pytest.raises(ShardpointError, match="'half'.*gap"):
+        shardpoint.save({"half": FlatShard(buf[:5], (3, 4), 0)}, tmp_path / "half")
+    assert not (tmp_path / "half" / "manifest.json").exists()
+
+
+def test_meta_device_target_raises_naming_the_key(tmp_path: Path) -> None:
+    shardpoint.save({"model": {"w": torch.ones(3), "b": torch.ones(1)}}, tmp_path / "ckpt")
+    target = {"model": {"w": torch.empty(3, device="meta"), "b": torch.zeros(1)}}
+    with pytest.raises(KeyMismatchError, match=r"'model/w' is on the meta device"):
+        shardpoint.load(target, tmp_path / "ckpt")
+    assert target["model"]["b"].item() == 0, "nothing may be loaded when the load is refused"
+    with pytest.raises(ShardpointError, match=r"'model/w' is on the meta device"):
+        shardpoint.save({"model": {"w": torch.empty(3, device="meta")}}, tmp_path / "meta")
+
+
+def test_unsupported_leaf_is_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ShardpointError, match=r"'a/x' holds a builtins.set"):
+        shardpoint.save({"a": {"x": {1, 2}}}, tmp_path / "ckpt")
+    with pytest.raises(ShardpointError, match="dict key of type float"):
+        shardpoint.save({"a": {1.5: 1}}, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+# --- seed 003: keys the local state lacks ----------------------------------------------
+
+def test_seed_003_lazily_absent_key_is_created(tmp_path: Path) -> None:
+    dl_state = {"dl_state": {"data": {"a": "b"}}}
+    shardpoint.save(dl_state, tmp_path / "ckpt")
+    loaded = copy.deepcopy(dl_state)
+    loaded["dl_state"].pop("data")
+    report = shardpoint.load(loaded, tmp_path / "ckpt")
+    assert loaded == {"dl_state": {"data": {"a": "b"}}}
+    assert "data" in loaded["dl_state"] and "a" in loaded["dl_state"]["data"]
+    assert report.created == ["dl_state/data/a"]
+    assert report.loaded == [] and report.unexpected == [] and report.missing == []
+
+
+def test_seed_003_create_false_reports_unexpected(tmp_path: Path) -> None:
+    shardpoint.save({"dl_state": {"data": {"a": "b"}}}, tmp_path / "ckpt")
+    loaded: dict = {"dl_state": {}}
+    report = shardpoint.load(loaded, tmp_path / "ckpt", create=False)
+    assert loaded == {"dl_state": {}}
+    assert report.unexpected == ["dl_state/data/a"] and report.created == []
+
+
+def test_created_tensors_and_containers_keep_their_saved_types(tmp_path: Path) -> None:
+    state = {"opt": {"state": {0: {"exp_avg": torch.arange(3.0), "step": torch.tensor(4.0)}}, "hist": [1, (2, 3)]}}
+    shardpoint.save(state, tmp_path / "ckpt")
+    target: dict = {"opt": {}}
+    report = shardpoint.load(target, tmp_path / "ckpt")
+    assert_same(target, state)
+    assert report.created == ["opt/hist/0", "opt/hist/1/0", "opt/hist/1/1", "opt/state/0/exp_avg", "opt/state/0/step"]
+
+
+def test_empty_str_key_is_not_the_root(tmp_path: Path) -> None:
+    state = {"": {"": torch.ones(2)}, "x": 1}
+    shardpoint.save(state, tmp_path / "ckpt")
+    assert sorted(shardpoint.metadata(tmp_path / "ckpt").tensors) == ["%/%"]
+    target: dict = {"x": 0}
+    report = shardpoint.load(target, tmp_path / "ckpt")
+    assert report.created == ["%/%"] and torch.equal(target[""][""], torch.ones(2)) and target["x"] == 1
+
+
+# --- strictness and selection -----------------------------------------------------------
+
+def model_state(seed: int) -> dict:
+    return {
+        "model": {"w": sample(torch.float32, (4, 3), seed), "b": sample(torch.float32, (3,), seed + 1)},
+        "model_ema": {"w": sample(torch.float32, (4, 3), seed + 2)},
+        "optim": {"state": {"w": {"exp_avg": sample(torch.float32, (4, 3), seed + 3)}}, "lr": 0.1 * (seed + 1)},
+    }
+
+
+def test_strict_load_names_missing_keys(tmp_path: Path) -> None:
+    shardpoint.save(model_state(0), tmp_path / "ckpt")
+    target = model_state(1)
+    target["model"]["extra"] = torch.zeros(2)
+    before = copy.deepcopy(target)
+    with pytest.raises(KeyMismatchError, match=r"\['model/extra'\]"):
+        shardpoint.load(target, tmp_path / "ckpt")
+    assert_same(target, before)  # refused before anything was modified
+    report = shardpoint.load(target, tmp_path / "ckpt", strict=False)
+    assert report.missing == ["model/extra"] and torch.equal(target["model"]["extra"], torch.zeros(2))
+    assert torch.equal(target["model"]["w"], model_state(0)["model"]["w"])
+
+
+def test_only_model_leaves_optimizer_untouched(tmp_path: Path) -> None:
+    saved = model_state(0)
+    shardpoint.save(saved, tmp_path / "ckpt")
+    target = model_state(1)
+    other = copy.deepcopy(target)
+    report = shardpoint.load(target, tmp_path / "ckpt", only=["model"])
+    assert_same(target["model"], saved["model"])
+    assert_same(target["optim"], other["optim"])
+    assert_same(target["model_ema"], other["model_ema"]), "only=['model'] must not match 'model_ema'"
+    assert report.loaded == ["model/b", "model/w"]
+    assert report.skipped == ["model_ema/w", "optim/lr", "optim/state/w/exp_avg"]
+    assert report.created == [] and report.unexpected == []
+
+
+def test_exclude_and_only_string(tmp_path: Path) -> None:
+    saved = model_state(0)
+    shardpoint.save(saved, tmp_path / "ckpt")
+    target = model_state(1)
+    report = shardpoint.load(target, tmp_path / "ckpt", exclude="model")
+    assert report.skipped == ["model/b", "model/w"]
+    assert_same(target["model_ema"], saved["model_ema"]) and target["optim"]["lr"] == saved["optim"]["lr"]
+    target = model_state(1)
+    report = shardpoint.load(target, tmp_path / "ckpt", only="model_ema")
+    assert report.loaded == ["model_ema/w"]
+
+
+def test_only_does_not_create_outside_the_selection(tmp_path: Path) -> None:
+    shardpoint.save(model_state(0), tmp_path / "ckpt")
+    target: dict = {"model": {}}
+    report = shardpoint.load(target, tmp_path / "ckpt", only=["model"])
+    assert sorted(target) == ["model"] and sorted(target["model"]) == ["b", "w"]
+    assert report.created == ["model/b", "model/w"]
+
+
+def test_shape_mismatch_is_refused_naming_the_key(tmp_path: Path) -> None:
+    shardpoint.save({"w": torch.ones(3, 4)}, tmp_path / "ckpt")
+    with pytest.raises(KeyMismatchError, match=r"'w'.*\(3, 4\)"):
+        shardpoint.load({"w": torch.zeros(4, 3)}, tmp_path / "ckpt")
+
+
+# --- Stateful objects ---------------------------------------------------------------------
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched, steps: int, seed: int) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 4, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def make_training(seed: int):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def test_stateful_optimizer_and_scheduler_resume_exactly(tmp_path: Path) -> None:
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 3, seed=1)
+    shardpoint.save({"model": model, "optim": opt, "sched": sched}, tmp_path / "ckpt")
+    train(model, opt, sched, 2, seed=2)  # the uninterrupted run
+
+    model2, opt2, sched2 = make_training(9)  # fresh: no optimizer state yet (lazily created)
+    ptrs = [p.data_ptr() for p in model2.parameters()]
+    report = shardpoint.load({"model": model2, "optim": opt2, "sched": sched2}, tmp_path / "ckpt")
+    assert [p.data_ptr() for p in model2.parameters()] == ptrs
+    assert "optim/state/0/exp_avg" in report.created and "model/0.weight" in report.loaded
+    assert sched2.last_epoch == 3 and opt2.param_groups[0]["lr"] == pytest.approx(0.025)
+    train(model2, opt2, sched2, 2, seed=2)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for (_, a), (_, b) in zip(sorted(opt.state_dict()["state"].items()), sorted(opt2.state_dict()["state"].items()), strict=True):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    assert sched.state_dict() == sched2.state_dict()
+
+
+def test_stateful_load_state_dict_called_once_with_filled_dict(tmp_path: Path) -> None:
+    class Counter:
+        def __init__(self, n: int) -> None:
+            self.n, self.calls = n, []
+
+        def state_dict(self) -> dict:
+            return {"n": self.n, "hist": torch.full((2,), float(self.n))}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.calls.append(sd)
+            self.n = sd["n"]
+
+    shardpoint.save({"c": Counter(5)}, tmp_path / "ckpt")
+    c = Counter(1)
+    shardpoint.load({"c": c}, tmp_path / "ckpt")
+    assert c.n == 5 and len(c.calls) == 1 and torch.equal(c.calls[0]["hist"], torch.full((2,), 5.0))
+    c2 = Counter(1)
+    shardpoint.load({"c": c2, "x": 1}, tmp_path / "ckpt", strict=False, exclude=["c"])
+    assert c2.calls == [], "a Stateful object left out by exclude= must not be loaded"
+
+
+# --- load_full, metadata ---------------------------------------------------------------------
+
+def test_load_full_keys_and_metadata(tmp_path: Path) -> None:
+    state = model_state(0)
+    state["rng"] = shardpoint.PerRank({"seed": 7})
+    shardpoint.save(state, tmp_path / "ckpt")
+    part = shardpoint.load_full(tmp_path / "ckpt", keys=["model"])
+    assert sorted(part) == ["model"] and sorted(part["model"]) == ["b", "w"]
+    assert torch.equal(part["model"]["w"], state["model"]["w"])
+    assert shardpoint.load_full(tmp_path / "ckpt", keys="rng") == {"rng": {0: {"seed": 7}}}
+    meta = shardpoint.metadata(tmp_path / "ckpt")
+    assert meta.world_size == 1 and meta.version == 1
+    assert sorted(meta.tensors) == ["model/b", "model/w", "model_ema/w", "optim/state/w/exp_avg"]
+    w = meta.tensors["model/w"]
+    assert w.shape == (4, 3) and w.dtype == torch.float32 and w.chunks == (((0, 0), (4, 3)),) and w.nbytes == 48
+    assert meta.values == {"optim/lr": 0.1} and meta.per_rank == {"rng": [0]}
+    assert meta.nbytes == sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("*.safetensors"))
+    assert abs(meta.created.timestamp() - json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["created"]) < 1e-3
+
+
+def test_missing_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at"):
+        shardpoint.load({}, tmp_path / "nothing")
+    with pytest.raises(CheckpointNotFoundError):
+        shardpoint.load_full(tmp_path / "nothing")
+    with pytest.raises(CheckpointNotFoundError):
+        shardpoint.metadata(tmp_path / "nothing")
+
+
+# --- overwrite ------------------------------------------------------------------------------
+
+def data_files(path: Path) -> set[str]:
+    return {f.name for f in path.iterdir() if f.suffix == ".safetensors"}
+
+
+def test_overwrite_false_refuses_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.ones(3)}, p)
+    files = sorted(os.listdir(p))
+    manifest = (p / "manifest.json").read_bytes()
+    with pytest.raises(ShardpointError, match="already exists.*overwrite=True"):
+        shardpoint.save({"w": torch.zeros(3)}, p)
+    assert sorted(os.listdir(p)) == files and (p / "manifest.json").read_bytes() == manifest
+    assert torch.equal(shardpoint.load_full(p)["w"], torch.ones(3))
+
+
+def test_overwrite_true_replaces_and_removes_old_data(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.ones(3), "old": torch.ones(2)}, p)
+    old = data_files(p)
+    shardpoint.save({"w": torch.zeros(3)}, p, overwrite=True)
+    new = data_files(p)
+    assert old and new and not (old & new), "the old checkpoint's data files must be gone"
+    assert sorted(os.listdir(p)) == sorted(new | {"manifest.json"}), "no temporary files may be left"
+    full = shardpoint.load_full(p)
+    assert sorted(full) == ["w"] and torch.equal(full["w"], torch.zeros(3))
+
+
+# --- the format as others see it ---------------------------------------------------------------
+
+def test_newer_format_version_is_refused_clearly(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.ones(3)}, p)
+    doc = json.loads((p / "manifest.json").read_text())
+    doc["version"] = 2
+    (p / "manifest.json").write_text(json.dumps(doc))
+    for call in (lambda: shardpoint.load({"w": torch.zeros(3)}, p), lambda: shardpoint.load_full(p), lambda: shardpoint.metadata(p)):
+        with pytest.raises(ShardpointError, match="format version 2 is newer than this shardpoint reads.*upgrade shardpoint"):
+            call()
+
+
+def test_every_data_file_opens_with_safetensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    state = full_state()
+    state["rng"] = shardpoint.PerRank({"state": torch.arange(5, dtype=torch.uint8)})
+    state["per_rank"] = {"rng": {"state": torch.ones(5, dtype=torch.uint8)}}  # same name but not per-rank
+    p = tmp_path / "ckpt"
+    shardpoint.save(state, p)
+    files = data_files(p)
+    assert files
+    manifest = json.loads((p / "manifest.json").read_text())
+    expected = {k: n.obj for k, n in walk(state).leaves.items() if isinstance(n.obj, torch.Tensor)}
+    seen = {}
+    checked = 0
+    for f in files:
+        with safe_open(str(p / f), framework="pt") as fh:
+            assert fh.metadata() == {"format": "shardpoint"}
+            for name in fh.keys():
+                seen[name] = fh.get_tensor(name)
+    for key, e in manifest["entries"].items():
+        if e["kind"] != "tensor":
+            continue
+        (chunk,) = e["chunks"]
+        name = f"{key}@{','.join(map(str, chunk['offsets']))}"
+        want = expected.get(key)
+        got = seen[name]
+        dtype = getattr(torch, e["dtype"])
+        if dtype in SAFETENSORS_DTYPES:
+            assert got.dtype == dtype and tuple(got.shape) == tuple(e["shape"]), key
+        else:  # raw bytes, true dtype in the manifest
+            assert got.dtype == torch.uint8 and got.dim() == 1, key
+            got = got.view(dtype).reshape(e["shape"])
+        if want is not None:  # (numpy arrays are checked by the round trip)
+            assert same_bytes(got, want), key
+            checked += 1
+    assert checked == len(expected)
+    assert torch.equal(seen["/per_rank/rng/state@0"], torch.arange(5, dtype=torch.uint8))
+    assert torch.equal(seen["per_rank/rng/state@0"], torch.ones(5, dtype=torch.uint8))
+    # every saved dtype safetensors knows came back as itself
+    for dt in SAFETENSORS_DTYPES:
+        name = str(dt).removeprefix("torch.")
+        assert same_bytes(seen[f"tensors/{name}@0,0"], state["tensors"][name]), name
+
+
+def test_corrupt_byte_is_caught_naming_file_and_key(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt"
+    shardpoint.save({"a": torch.arange(100, dtype=torch.float32), "b": torch.ones(10)}, p)
+    (f,) = data_files(p)
+    e = json.loads((p / "manifest.json").read_text())["entries"]["a"]["chunks"][0]
+    raw = bytearray((p / f).read_bytes())
+    raw[e["offset"] + 17] ^= 0x01
+    (p / f).write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch in {f}.*'a'"):
+        shardpoint.load({"a": torch.zeros(100), "b": torch.zeros(10)}, p)
+    with pytest.raises(CorruptCheckpointError, match="'a'"):
+        shardpoint.load_full(p)
+    target = {"b": torch.zeros(10)}
+    shardpoint.load(target, p, only=["b"])  # the damage is in another key's bytes
+    assert torch.equal(target["b"], torch.ones(10))
+    shardpoint.load({"a": torch.zeros(100)}, p, strict=False, verify=False)
