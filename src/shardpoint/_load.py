@@ -94,7 +94,10 @@ class Reader:
             if self.verify:
                 blk = self.crc_block
                 lo, hi = (lo // blk) * blk, min(-(-hi // blk) * blk, chunk["length"])
-            data = self.storage.read(chunk["file"], chunk["offset"] + lo, hi - lo)
+            try:
+                data = self.storage.read(chunk["file"], chunk["offset"] + lo, hi - lo)
+            except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
+                raise CorruptCheckpointError(f"key {t.key!r}: {e}") from None
             if not isinstance(data, bytearray):
                 data = bytearray(data)
             if len(data) != hi - lo:
