@@ -168,6 +168,7 @@ class TreeLoad:
     pending: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)  # container key -> [(seg, value)]
     touched: set[str] = field(default_factory=set)
     rank: int = 0
+    hollow: dict[str, list[tuple[Any, str]]] | None = None  # see hollow_containers; computed on first use
 
     def check(self, strict: bool) -> None:
         """Keys and shapes, before anything is modified."""
@@ -265,7 +266,9 @@ class TreeLoad:
             if seg == head and isinstance(sub, _Pending):
                 sub.put(rel[1:], value)
                 return
-        p = _Pending(join(anchor, head), self.tree.containers)
+        if self.hollow is None:
+            self.hollow = hollow_containers(self.tree, self.select)
+        p = _Pending(join(anchor, head), self.tree.containers, self.hollow)
         p.put(rel[1:], value)
         lst.append((head, p))
 
@@ -312,11 +315,34 @@ def _enc_path(path: tuple[Any, ...]) -> str:
     return out
 
 
-class _Pending:
-    """A container created on load, built from the saved container types."""
+def hollow_containers(tree: Tree, select: Callable[[str], bool] | None = None) -> dict[str, list[tuple[Any, str]]]:
+    """The saved containers with no entry beneath them (``{}``, ``[]``, ``[{}]``), by
+    parent key, as ``(segment, key)``: building a container must bring these back,
+    or an optimizer saved before its first step loses its empty ``state`` dict."""
+    filled = {""}
+    for k in tree.entries:
+        i = k.find("/")
+        while i != -1:
+            filled.add(k[:i])
+            i = k.find("/", i + 1)
+        filled.add(k)
+    out: dict[str, list[tuple[Any, str]]] = {}
+    for c in tree.containers:
+        if c in filled or (select is not None and not select(c)):
+            continue
+        parent = c.rsplit("/", 1)[0] if "/" in c else ""
+        out.setdefault(parent, []).append((decode_key(c)[-1], c))
+    return out
 
-    def __init__(self, key: str, types: dict[str, str]) -> None:
+
+class _Pending:
+    """A container created on load, built from the saved container types.
+
+    ``hollow`` (from :func:`hollow_containers`) adds the saved empty containers."""
+
+    def __init__(self, key: str, types: dict[str, str], hollow: dict[str, list[tuple[Any, str]]] | None = None) -> None:
         self.key, self.types, self.items = key, types, {}
+        self.hollow = hollow or {}
 
     def put(self, rel: tuple[Any, ...], value: Any) -> None:
         if len(rel) == 1:
@@ -324,11 +350,14 @@ class _Pending:
             return
         sub = self.items.get(rel[0])
         if not isinstance(sub, _Pending):
-            sub = self.items[rel[0]] = _Pending(join(self.key, rel[0]), self.types)
+            sub = self.items[rel[0]] = _Pending(join(self.key, rel[0]), self.types, self.hollow)
         sub.put(rel[1:], value)
 
     def build(self) -> Any:
         kind = self.types.get(self.key, "dict")
+        for seg, ckey in self.hollow.get(self.key, ()):
+            if seg not in self.items:
+                self.items[seg] = _Pending(ckey, self.types, self.hollow)
         vals = {k: (v.build() if isinstance(v, _Pending) else v) for k, v in self.items.items()}
         if kind in ("list", "tuple"):
             seq = [vals[i] for i in sorted(k for k in vals if isinstance(k, int))]
@@ -341,7 +370,7 @@ def materialise_tree(tree: Tree, key: str, reader: Reader) -> Any:
     allocated and scheduled on ``reader``)."""
     if key in tree.entries:
         return leaf_value(key, tree.entries[key], reader)
-    root = _Pending(key, tree.containers)
+    root = _Pending(key, tree.containers, hollow_containers(tree))
     base = len(decode_key(key))
     for k, e in tree.entries.items():
         root.put(decode_key(k)[base:], leaf_value(k, e, reader))
