@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, ShardpointError
 
 #: Timeout of the dedicated checkpoint group's collectives (a save's data phase can
 #: take long; arrival is bounded separately by the call's ``timeout``).
@@ -172,8 +172,10 @@ def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
     everyone = comm.all_gather_json(mine)
     failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
     if failed:
-        if error is not None:
+        if isinstance(error, ShardpointError):
             raise error
+        if error is not None:  # keep the original (an OSError's errno, say) as the cause
+            raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error}") from error
         from . import errors
 
         r, e = failed[0]

@@ -149,11 +149,12 @@ class TrainState:
             for fqn, p in row:
                 prefix = f"optimizer/state/{_esc(self._ckpt_name(fqn))}/"
                 names = [k[len(prefix) :] for k in entries if k.startswith(prefix) and "/" not in k[len(prefix) :]]
-                st = opt.state[p]
+                st = opt.state.get(p, {})
                 for name in names:
                     key = prefix + name
                     if name in st or not select(key):
                         continue
+                    st = opt.state[p]  # only now: opt.state is a defaultdict
                     e = entries[key]
                     if e["kind"] == "tensor":
                         dtype = getattr(torch, e["dtype"])

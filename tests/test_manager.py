@@ -1,0 +1,210 @@
+"""CheckpointManager and TrainState in one process: discovery, retention,
+rollback, selective restore, dtype casts, key maps, scheduler and GradScaler."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import _save
+from shardpoint.errors import KeyMismatchError
+
+
+def filled(value: float) -> torch.nn.Linear:
+    m = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(value)
+    return m
+
+
+def test_empty_root_restores_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path / "none")
+    m = filled(1.0)
+    assert mgr.restore(shardpoint.TrainState(model=m)) is None
+    assert not mgr.has_checkpoint() and mgr.latest() is None and mgr.list() == []
+    assert torch.all(m.weight == 1.0)
+
+
+def _save_step(mgr: shardpoint.CheckpointManager, step: int, fail: bool = False) -> None:
+    state = shardpoint.TrainState(model=filled(float(step)), rng=False, step=step)
+    if not fail:
+        mgr.save(state, step)
+        return
+
+    def boom(phase: str) -> None:
+        if phase == "written":
+            raise OSError("injected failure after the data was written")
+
+    _save.phase_hook = boom
+    try:
+        with pytest.raises(shardpoint.ShardpointError, match="injected"):
+            mgr.save(state, step)
+    finally:
+        _save.phase_hook = None
+
+
+def test_retention_keep_last_with_a_failed_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        _save_step(mgr, step)
+    _save_step(mgr, 4, fail=True)
+    assert mgr.latest().step == 3, "a failed save must not move latest"
+    for step in (5, 6, 7):
+        _save_step(mgr, step)
+    assert [i.step for i in mgr.list()] == [6, 7]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000006", "step-00000007"], "leftovers must be cleared"
+
+
+def test_retention_keep_every(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path, keep_last=1, keep_every=3)
+    for step in range(1, 8):
+        _save_step(mgr, step)
+    assert [i.step for i in mgr.list()] == [3, 6, 7]
+
+
+def test_retention_never_deletes_the_restored_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path, keep_last=1)
+    _save_step(mgr, 1)
+    _save_step(mgr, 2)
+    mgr.restore(shardpoint.TrainState(model=filled(0.0), rng=False, step=0), step=2)
+    _save_step(mgr, 3)
+    _save_step(mgr, 4)
+    assert [i.step for i in mgr.list()] == [2, 4]
+
+
+def test_latest_follows_a_rollback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    _save_step(mgr, 500)
+    _save_step(mgr, 200)  # the run was rolled back and resumed from an earlier point
+    assert mgr.latest().step == 200
+    m = filled(0.0)
+    assert mgr.restore(shardpoint.TrainState(model=m, rng=False, step=0)).step == 200
+    assert torch.all(m.weight == 200)
+    # latest naming a checkpoint that is not committed falls back to the highest committed step
+    (tmp_path / "latest").write_text("step-00000999")
+    assert mgr.latest().step == 500
+
+
+def test_latest_ignores_uncommitted_folders(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    _save_step(mgr, 1)
+    (tmp_path / "step-00000009").mkdir()
+    (tmp_path / "step-00000009" / "r00000-x.safetensors").write_bytes(b"partial")
+    assert mgr.latest().step == 1 and [i.step for i in mgr.list()] == [1]
+    with pytest.raises(shardpoint.CheckpointNotFoundError):
+        mgr.restore(shardpoint.TrainState(model=filled(0.0), rng=False), step=9)
+
+
+def _trained():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9), weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    scaler.update(1.0) if False else None
+    return model, opt, sched, scaler
+
+
+def _fresh():  # type: ignore[no-untyped-def]
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    return model, opt, sched, scaler
+
+
+def test_scheduler_scaler_and_hyperparameters_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, opt, sched, scaler = _trained()
+    shardpoint.save(shardpoint.TrainState(model, opt, sched, scaler, best=0.25), tmp_path / "c")
+    m2, o2, s2, g2 = _fresh()
+    st = shardpoint.TrainState(m2, o2, s2, g2, best=None)
+    shardpoint.load(st, tmp_path / "c")
+    assert st.model is m2 and st.optimizer is o2 and st.scheduler is s2 and st.grad_scaler is g2
+    assert s2.state_dict() == sched.state_dict()
+    assert g2.state_dict() == scaler.state_dict() and g2.get_scale() == 1024.0
+    hp = {k: v for k, v in o2.param_groups[0].items() if k != "params"}
+    assert hp == {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    assert st.extra["best"] == 0.25
+
+
+def test_selective_restore(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, opt, sched, _ = _trained()
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    mgr.save(shardpoint.TrainState(model, opt, sched, step=3), 3)
+
+    # model only, into a model with a new head: strict=False reports the head as missing
+    torch.manual_seed(5)
+    new = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 7))
+    head = new[2].weight.clone()
+    o_new = torch.optim.AdamW(new.parameters(), lr=0.5)
+    r = mgr.restore(shardpoint.TrainState(new, o_new, step=0), only=["model"], strict=False)
+    assert r.missing == ["model/2.bias", "model/2.weight"]
+    assert torch.equal(new[0].weight, model[0].weight) and torch.equal(new[2].weight, head)
+    assert not o_new.state and o_new.param_groups[0]["lr"] == 0.5
+    assert all(k.startswith(("optimizer/", "scheduler/", "rng/", "extra/")) for k in r.skipped)
+    with pytest.raises(KeyMismatchError, match="model/2.weight"):
+        mgr.restore(shardpoint.TrainState(new, step=0), only=["model"])
+
+    # everything but optimizer and scheduler
+    m2, o2, s2, _ = _fresh()
+    st = shardpoint.TrainState(m2, o2, s2, step=0)
+    r = mgr.restore(st, exclude=["optimizer", "scheduler"])
+    assert torch.equal(m2[1].weight, model[1].weight) and not o2.state and s2.last_epoch == 0
+    assert st.extra["step"] == 3 and not any(k.startswith("optimizer/") for k in r.loaded)
+
+    # everything but the model
+    m3, o3, s3, _ = _fresh()
+    before = m3[0].weight.clone()
+    r = mgr.restore(shardpoint.TrainState(m3, o3, s3, step=0), exclude=["model"])
+    assert torch.equal(m3[0].weight, before) and s3.last_epoch == 3
+    for p, p3 in zip(model.parameters(), m3.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], o3.state[p3]["exp_avg"])
+    assert all(k.startswith("model/") for k in r.skipped if not k.startswith("rng"))
+
+
+def test_dtype_cast_is_reported(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, *_ = _trained()
+    shardpoint.save(shardpoint.TrainState(model, rng=False), tmp_path / "c")
+    half = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    r = shardpoint.load(shardpoint.TrainState(half, rng=False), tmp_path / "c")
+    assert r.cast == ["model/0.bias", "model/0.weight", "model/1.bias", "model/1.weight"]
+    assert torch.equal(half[0].weight, model[0].weight.to(torch.bfloat16))
+
+
+def test_key_map_loads_renamed_modules(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, opt, *_ = _trained()
+    shardpoint.save(shardpoint.TrainState(model, opt, rng=False), tmp_path / "c")
+
+    class Renamed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+    for key_map in ({"0.weight": "encoder.weight", "0.bias": "encoder.bias", "1.weight": "head.weight", "1.bias": "head.bias"},
+                    lambda k: k.replace("0.", "encoder.").replace("1.", "head.")):
+        new = Renamed()
+        o_new = torch.optim.AdamW(new.parameters(), lr=0.5)
+        r = shardpoint.load(shardpoint.TrainState(new, o_new, rng=False, key_map=key_map), tmp_path / "c")
+        assert not r.missing
+        assert torch.equal(new.encoder.weight, model[0].weight) and torch.equal(new.head.bias, model[1].bias)
+        assert torch.equal(o_new.state[new.head.weight]["exp_avg"], opt.state[model[1].weight]["exp_avg"])
+
+
+def test_param_groups_that_do_not_match_raise(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, opt, *_ = _trained()
+    shardpoint.save(shardpoint.TrainState(model, opt, rng=False), tmp_path / "c")
+    m2, *_ = _fresh()
+    o2 = torch.optim.AdamW([{"params": m2[0].parameters()}, {"params": m2[1].parameters(), "lr": 1.0}])
+    with pytest.raises(KeyMismatchError, match="param_groups"):
+        shardpoint.load(shardpoint.TrainState(m2, o2, rng=False), tmp_path / "c")
