@@ -1,0 +1,438 @@
+"""The on-disk format as docs/format.md writes it down: an independent reader
+built from the document alone agrees with shardpoint; exact bytes of a data file
+and a manifest; block checksums; hostile manifests are refused."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import math
+import re
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CorruptCheckpointError
+from shardpoint.layout import FlatShard
+
+# --- a reader written from docs/format.md alone (json, struct, zlib; no shardpoint) --------
+
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "complex64": 8, "complex128": 16, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+ST_CODE = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+class Raw:
+    """A tensor as the document describes it: dtype name, shape, row-major bytes."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes, numpy: bool = False) -> None:
+        self.dtype, self.shape, self.data, self.numpy = dtype, shape, data, numpy
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Raw) and (self.dtype, self.shape, self.data) == (other.dtype, other.shape, other.data)
+
+    def __repr__(self) -> str:
+        return f"Raw({self.dtype}, {self.shape}, {len(self.data)} bytes)"
+
+
+def doc_decode_key(key: str) -> tuple:
+    if key == "":
+        return ()
+    out: list[Any] = []
+    for seg in key.split("/"):
+        if re.fullmatch(r"-?[0-9]+", seg):
+            out.append(int(seg))
+        elif seg == "%":
+            out.append("")
+        else:
+            out.append(re.sub(r"%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), seg))
+    return tuple(out)
+
+
+def doc_value(v: list) -> Any:
+    kind = v[0]
+    if kind == "none":
+        return None
+    return {"bool": lambda p: p, "int": int, "float": float.fromhex, "str": lambda p: p,
+            "bytes": base64.b64decode}[kind](v[1])
+
+
+def doc_tensor(root: Path, e: dict, block: int, files: dict) -> Raw:
+    shape = tuple(e["shape"])
+    item = ITEMSIZE[e["dtype"]]
+    numel = math.prod(shape)
+    out = bytearray(numel * item)
+    strides = [item] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    for c in e["chunks"]:
+        assert c["file"] in files
+        raw = (root / c["file"]).read_bytes()
+        # section 4: the chunk is one safetensors tensor
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8 : 8 + n])
+        assert n % 8 == 0 and header["__metadata__"] == {"format": "shardpoint"}
+        (name,) = [k for k, h in header.items() if k != "__metadata__" and 8 + n + h["data_offsets"][0] == c["offset"]
+                   and h["data_offsets"][1] - h["data_offsets"][0] == c["length"]]
+        h = header[name]
+        if e["dtype"] in ST_CODE:
+            assert h["dtype"] == ST_CODE[e["dtype"]] and h["shape"] == c["sizes"], name
+        else:
+            assert h["dtype"] == "U8" and h["shape"] == [c["length"]], name
+        data = raw[c["offset"] : c["offset"] + c["length"]]
+        assert len(data) == c["length"] == math.prod(c["sizes"]) * item
+        # section 6: block checksums
+        want = [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)] or [0]
+        assert c["crc32"] == want, f"checksum of a chunk in {c['file']}"
+        # section 3.2: copy the box, row by row (the innermost dimension is contiguous)
+        sizes, offs = c["sizes"], c["offsets"]
+        if not shape:
+            out[:] = data
+            continue
+        row = sizes[-1] * item
+        if row == 0 or math.prod(sizes) == 0:
+            continue
+        for r, idx in enumerate(itertools.product(*(range(s) for s in sizes[:-1]))):
+            dst = sum((o + i) * st for o, i, st in zip(offs[:-1], idx, strides[:-1], strict=True)) + offs[-1] * item
+            out[dst : dst + row] = data[r * row : (r + 1) * row]
+    return Raw(e["dtype"], shape, bytes(out), bool(e.get("numpy")))
+
+
+def doc_tree(root: Path, containers: dict, entries: dict, block: int, files: dict, base: tuple = ()) -> Any:
+    nodes: dict[tuple, Any] = {}
+    kinds = {doc_decode_key(k): t for k, t in containers.items()}
+    for path in sorted(kinds, key=len):
+        nodes[path] = {}
+    for k, e in entries.items():
+        path = doc_decode_key(k)
+        if e["kind"] == "value":
+            v = doc_value(e["value"])
+        elif e["kind"] == "tensor":
+            v = doc_tensor(root, e, block, files)
+        else:
+            v = {int(r): doc_tree(root, sub["containers"], sub["entries"], block, files, path) for r, sub in e["ranks"].items()}
+        if path == base:
+            return v
+        nodes[path[:-1]][path[-1]] = v
+    for path in sorted(kinds, key=len, reverse=True):  # deepest first: typed containers into parents
+        d = nodes[path]
+        val: Any = d
+        if kinds[path] in ("list", "tuple"):
+            seq = [d[i] for i in range(len(d))]
+            val = seq if kinds[path] == "list" else tuple(seq)
+        if path == base:
+            return val
+        nodes[path[:-1]][path[-1]] = val
+    raise AssertionError("no root")
+
+
+def doc_read(root: Path) -> Any:
+    m = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    assert m["format"] == "shardpoint" and m["version"] == 1
+    assert m["checksum"]["algorithm"] == "crc32"
+    for name, info in m["files"].items():
+        assert (root / name).stat().st_size == info["size"] and 0 <= info["rank"] < m["world_size"]
+    return doc_tree(root, m["containers"], m["entries"], m["checksum"]["block_size"], m["files"])
+
+
+def as_raw(x: Any) -> Any:
+    """shardpoint's load_full result in the reader's terms."""
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+        t = x.contiguous()
+        return Raw(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes(), True)
+    if isinstance(x, torch.Tensor):
+        t = x.contiguous()
+        return Raw(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(x, dict):
+        return {k: as_raw(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [as_raw(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(as_raw(v) for v in x)
+    return x
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def rich_state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model": {"layers.0.weight": torch.randn(5, 3, generator=g), "emb": torch.randn(4, 2, generator=g).to(torch.bfloat16)},
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, 3, generator=g)}},
+                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
+        "odd": {"a/b": 1, "%": b"\x00\x01", "0": "str zero", 0: "int zero", -1: None, "": math.inf, "nan": math.nan},
+        "c": torch.complex(torch.arange(3.0), -torch.arange(3.0)),
+        "f8": torch.linspace(-2, 2, 6).to(torch.float8_e4m3fnuz),
+        "flat": FlatShard(torch.arange(12, dtype=torch.int16), (3, 4), 0),
+        "rng": shardpoint.PerRank({"seed": 7, "state": torch.arange(4, dtype=torch.uint8)}),
+        "empty": {"d": {}, "l": []},
+        "zero": torch.zeros(0, 3),
+    }
+
+
+def test_document_reader_agrees_with_load_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardpoint._save as save_mod
+    import shardpoint.format.datafile as df
+
+    # small checksum blocks, so chunks span several
+    monkeypatch.setattr(df, "CRC_BLOCK", 16)
+    monkeypatch.setattr(save_mod, "CRC_BLOCK", 16)
+    shardpoint.save(rich_state(), tmp_path / "ckpt")
+    mine = doc_read(tmp_path / "ckpt")
+    theirs = as_raw(shardpoint.load_full(tmp_path / "ckpt"))
+    assert mine["odd"] == {"a/b": 1, "%": b"\x00\x01", "0": "str zero", 0: "int zero", -1: None, "": math.inf, "nan": mine["odd"]["nan"]}
+    assert math.isnan(mine["odd"]["nan"])
+    assert mine["empty"] == {"d": {}, "l": []}
+    theirs.setdefault("empty", {"d": {}, "l": []})  # load_full drops empty containers (see test_api)
+    assert same(mine, theirs), (mine, theirs)
+    assert mine["flat"] == Raw("int16", (3, 4), torch.arange(12, dtype=torch.int16).numpy().tobytes())
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert any(len(c["crc32"]) > 1 for e in manifest["entries"].values() if e["kind"] == "tensor" for c in e["chunks"])
+
+
+def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.tensor([1.0, -2.0], dtype=torch.float32), "v": 0.1, "s": "x", "n": None}, p)
+    m = json.loads((p / "manifest.json").read_text())
+    (fname,) = m["files"]
+    assert fname == f"r00000-{m['save_id']}.safetensors" and len(m["save_id"]) == 12
+    raw = (p / fname).read_bytes()
+    header = b'{"__metadata__":{"format":"shardpoint"},"w@0":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    header += b" " * (-len(header) % 8)
+    data = struct.pack("<2f", 1.0, -2.0)
+    assert raw == struct.pack("<Q", len(header)) + header + data
+    assert m["files"] == {fname: {"size": len(raw), "rank": 0}}
+    assert sorted(m) == sorted(["format", "version", "library_version", "created", "world_size", "save_id", "checksum",
+                                "files", "containers", "entries"])
+    assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 1, 1)
+    assert m["library_version"] == shardpoint.__version__
+    assert m["checksum"] == {"algorithm": "crc32", "block_size": 1 << 20}
+    assert m["containers"] == {"": "dict"}
+    assert m["entries"] == {
+        "v": {"kind": "value", "value": ["float", "0x1.999999999999ap-4"]},
+        "s": {"kind": "value", "value": ["str", "x"]},
+        "n": {"kind": "value", "value": ["none"]},
+        "w": {"kind": "tensor", "dtype": "float32", "shape": [2], "chunks": [
+            {"offsets": [0], "sizes": [2], "file": fname, "offset": 8 + len(header), "length": 8,
+             "crc32": [zlib.crc32(data)]}]},
+    }
+
+
+def test_block_checksums_catch_damage_in_any_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardpoint._save as save_mod
+    import shardpoint.format.datafile as df
+
+    monkeypatch.setattr(df, "CRC_BLOCK", 64)
+    monkeypatch.setattr(save_mod, "CRC_BLOCK", 64)
+    p = tmp_path / "ckpt"
+    w = torch.arange(100, dtype=torch.float32)  # 400 bytes: 7 blocks, the last one short
+    shardpoint.save({"w": w}, p)
+    m = json.loads((p / "manifest.json").read_text())
+    c = m["entries"]["w"]["chunks"][0]
+    assert m["checksum"]["block_size"] == 64 and len(c["crc32"]) == 7
+    good = (p / c["file"]).read_bytes()
+    for block in (0, 3, 6):
+        raw = bytearray(good)
+        raw[c["offset"] + block * 64 + 1] ^= 0x40
+        (p / c["file"]).write_bytes(bytes(raw))
+        with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch in {c['file']}.*'w'"):
+            shardpoint.load_full(p)
+    (p / c["file"]).write_bytes(good)
+    assert torch.equal(shardpoint.load_full(p)["w"], w)
+
+
+def test_truncated_data_file_is_reported(tmp_path: Path) -> None:
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.arange(10.0)}, p)
+    (f,) = [x for x in p.iterdir() if x.suffix == ".safetensors"]
+    f.write_bytes(f.read_bytes()[:-4])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        shardpoint.load_full(p)
+    f.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        shardpoint.load({"w": torch.zeros(10)}, p)
+
+
+# --- hostile manifests --------------------------------------------------------------------
+
+def _damaged(tmp_path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    p = tmp_path / "ckpt"
+    if not p.exists():
+        shardpoint.save({"w": torch.arange(6.0).reshape(2, 3), "v": 1}, p)
+        (p / "good.json").write_bytes((p / "manifest.json").read_bytes())
+    m = json.loads((p / "good.json").read_text())
+    edit(m)
+    (p / "manifest.json").write_text(json.dumps(m))
+    return p
+
+
+def _chunk(m: dict) -> dict:
+    return m["entries"]["w"]["chunks"][0]
+
+
+HOSTILE = {
+    "not shardpoint": (lambda m: m.update(format="other"), "missing 'format'"),
+    "version not int": (lambda m: m.update(version="1"), "'version' is not an integer"),
+    "file outside": (lambda m: (_chunk(m).update(file="../x"), m["files"].update({"../x": {"size": 10}})), "not a plain relative name"),
+    "absolute file": (lambda m: m["files"].update({"/etc/passwd": {"size": 1}}), "not a plain relative name"),
+    "unlisted file": (lambda m: _chunk(m).update(file="other.safetensors"), "not listed in 'files'"),
+    "past the end": (lambda m: _chunk(m).update(offset=10**6), "beyond the end"),
+    "unknown dtype": (lambda m: m["entries"]["w"].update(dtype="object"), "unknown dtype"),
+    "huge shape": (lambda m: m["entries"]["w"].update(shape=[2**40, 2**40]), "implausibly large"),
+    "box outside": (lambda m: _chunk(m).update(offsets=[1, 0]), "outside the shape"),
+    "gap": (lambda m: _chunk(m).update(sizes=[1, 3]), "cover 3 elements"),
+    "crc count": (lambda m: _chunk(m).update(crc32=[1, 2]), "must list 1 block checksums"),
+    "bad value": (lambda m: m["entries"]["v"].update(value=["int", 5]), "not a valid encoded value"),
+    "unknown kind": (lambda m: m["entries"]["v"].update(kind="pickle"), "unknown kind"),
+    "bad container": (lambda m: m["containers"].update({"x": "set"}), "unknown type"),
+    "per-rank rank": (lambda m: m["entries"].update(p={"kind": "per_rank", "ranks": {"5": {"containers": {}, "entries": {}}}}), "not a rank"),
+    "not json": (None, "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_manifest_is_refused(tmp_path: Path, case: str) -> None:
+    edit, msg = HOSTILE[case]
+    if edit is None:
+        p = _damaged(tmp_path, lambda m: None)
+        (p / "manifest.json").write_bytes(b"{not json")
+    else:
+        p = _damaged(tmp_path, edit)
+    with pytest.raises(CorruptCheckpointError, match=msg):
+        shardpoint.load_full(p)
+    with pytest.raises(CorruptCheckpointError):
+        shardpoint.load({"w": torch.zeros(2, 3), "v": 0}, p)
+
+
+def test_overlapping_chunks_are_refused(tmp_path: Path) -> None:
+    def overlap(m: dict) -> None:
+        c = _chunk(m)
+        a = dict(c, sizes=[1, 3], length=12, crc32=[0])
+        b = dict(c, offsets=[0, 0], sizes=[1, 3], length=12, crc32=[0])  # the same box twice: row 1 is a gap
+        m["entries"]["w"]["chunks"] = [a, b]
+
+    p = _damaged(tmp_path, overlap)
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        shardpoint.load_full(p)
+
+
+# --- the checked-in version-1 checkpoint (tests/data/v1, made by tests/data/make_v1.py) -----
+
+V1 = Path(__file__).resolve().parent / "data" / "v1"
+
+
+def v1_expected() -> dict:
+    """The values tests/data/v1 holds, written out independently of the script."""
+    import numpy as np
+
+    return {
+        "model": {
+            "grid.weight": torch.arange(35, dtype=torch.float32).reshape(7, 5) * 0.25 - 3,
+            "rows": (torch.arange(18, dtype=torch.float64).reshape(9, 2) / 3).to(torch.bfloat16),
+            "flat": torch.arange(-11, 11, dtype=torch.int16).reshape(2, 11),
+            "bias": torch.tensor([0.5, -1.5, 2.5]),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.linspace(-1, 1, 5, dtype=torch.float64)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "name": "all"}],
+        },
+        "odd": {"a/b": 1, "%": b"\x00\xff", "0": "str zero", 0: "int zero", -1: None, "": -math.inf,
+                "nan": math.nan, "big": 2**80 + 1, "neg0": -0.0, "yes": True},
+        "dtypes": {
+            "c64": torch.complex(torch.tensor([1.0, -2.0]), torch.tensor([0.5, 3.0])),
+            "f8": torch.tensor([-1.5, 0.25, 2.0]).to(torch.float8_e4m3fnuz),
+            "f8fn": torch.tensor([-1.5, 0.25, 2.0]).to(torch.float8_e4m3fn),
+            "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+            "mask": torch.tensor([True, False, True]),
+            "u64": torch.tensor([0, 2**63 + 5], dtype=torch.uint64),
+        },
+        "np": np.arange(6, dtype=np.int32).reshape(3, 2),
+        "zero": torch.zeros(0, 3),
+        "scalar": torch.tensor(-0.125, dtype=torch.float16),
+    }
+
+
+def test_v1_fixture_loads_with_exact_values() -> None:
+    full = shardpoint.load_full(V1)
+    want = v1_expected()
+    rng = full.pop("rng")
+    full.pop("empty", None)  # empty containers: see test_load_full_keeps_empty_containers
+    assert same(as_raw(full), as_raw(want))
+    assert isinstance(full["np"], np.ndarray)
+    assert sorted(rng) == [0, 1, 2, 3]
+    for r in range(4):
+        assert rng[r]["seed"] == 100 + r and torch.equal(rng[r]["state"], torch.arange(4, dtype=torch.uint8) + r)
+    # and the reader written from docs/format.md reads it the same
+    mine = doc_read(V1)
+    assert mine["empty"] == {"d": {}, "l": []}
+    mine.pop("empty")
+    mine.pop("rng")
+    assert same(mine, as_raw(want))
+
+
+def test_v1_fixture_metadata() -> None:
+    meta = shardpoint.metadata(V1)
+    assert meta.version == 1 and meta.world_size == 4
+    assert len(meta.tensors["model/grid.weight"].chunks) == 4  # 2x2 mesh
+    assert meta.tensors["model/rows"].dtype == torch.bfloat16 and meta.tensors["model/rows"].shape == (9, 2)
+    assert len(meta.tensors["model/bias"].chunks) == 1  # replicated: written once
+    assert meta.per_rank == {"rng": [0, 1, 2, 3]}
+    assert meta.values["odd/big"] == 2**80 + 1 and meta.values["optim/param_groups/0/betas/1"] == 0.999
+
+
+def test_v1_fixture_loads_in_place_into_another_layout(tmp_path: Path) -> None:
+    """One process, targets in a different layout: full tensors, part of a flat
+    partition, and a per-rank value (this process is rank 0)."""
+    import shutil
+
+    import numpy as np
+
+    ckpt = tmp_path / "v1"
+    shutil.copytree(V1, ckpt)  # never touch the checked-in bytes
+    want = v1_expected()
+    part = torch.zeros(9, dtype=torch.int16)
+    state = {
+        "model": {"grid.weight": torch.zeros(7, 5), "rows": torch.zeros(9, 2, dtype=torch.bfloat16),
+                  "flat": FlatShard(part, (2, 11), 7), "bias": torch.zeros(3)},
+        "np": np.zeros((3, 2), dtype=np.int32),
+        "rng": shardpoint.PerRank({"seed": 0, "state": torch.zeros(4, dtype=torch.uint8)}),
+    }
+    ptr = state["model"]["grid.weight"].data_ptr()
+    report = shardpoint.load(state, ckpt, only=["model", "np", "rng"])
+    assert state["model"]["grid.weight"].data_ptr() == ptr
+    for k in ("grid.weight", "rows", "bias"):
+        assert torch.equal(state["model"][k], want["model"][k]), k
+    assert torch.equal(part, want["model"]["flat"].reshape(-1)[7:16])
+    assert np.array_equal(state["np"], want["np"])
+    assert state["rng"].value["seed"] == 100 and report.per_rank == {"rng": "restored"}
+    assert report.loaded == ["model/bias", "model/flat", "model/grid.weight", "model/rows", "np", "rng/seed", "rng/state"]
+    assert "optim/state/0/step" in report.skipped and report.created == [] and report.missing == []
+    # no stray files
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(p.name for p in V1.iterdir())
