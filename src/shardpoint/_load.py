@@ -90,6 +90,12 @@ class Reader:
 
     def _job(self, t: _Target, op: Any, sbox: Box, chunk: dict[str, Any], dtype: torch.dtype, itemsize: int) -> Callable[[], int]:
         def run() -> int:
+            tbox = t.boxes[op.target]
+            dst = t.views[op.target]
+            if tbox.sizes:
+                dst = dst[tuple(slice(r - o, r - o + n) for r, o, n in zip(op.region.offsets, tbox.offsets, op.region.sizes))]
+            if op.region == sbox and dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel():
+                return self._read_whole_into(t.key, chunk, dst)
             lo, hi = op.first * itemsize, op.last * itemsize
             if self.verify:
                 blk = self.crc_block
@@ -121,14 +127,28 @@ class Reader:
                 strides[d] = strides[d + 1] * sbox.sizes[d + 1]
             base = op.first - lo // itemsize
             region = src.as_strided(op.region.sizes, strides, base) if sbox.sizes else src[base : base + 1].reshape(())
-            tbox = t.boxes[op.target]
-            dst = t.views[op.target]
-            if tbox.sizes:
-                dst = dst[tuple(slice(r - o, r - o + n) for r, o, n in zip(op.region.offsets, tbox.offsets, op.region.sizes))]
             dst.copy_(region)
             return len(data)
 
         return run
+
+    def _read_whole_into(self, key: str, chunk: dict[str, Any], dst: torch.Tensor) -> int:
+        """A whole saved chunk into a contiguous CPU target of the same dtype: read
+        straight into the target's memory and verify it there (no staging copy)."""
+        view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        try:
+            self.storage.read_into(chunk["file"], chunk["offset"], view)
+        except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
+            raise CorruptCheckpointError(f"key {key!r}: {e}") from None
+        if self.verify:
+            blk = self.crc_block
+            for j, i in enumerate(range(0, len(view), blk)):
+                if zlib.crc32(view[i : i + blk]) != chunk["crc32"][j]:
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + i}..{chunk['offset'] + i + len(view[i : i + blk])}) "
+                        f"for key {key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
+                    )
+        return len(view)
 
 
 def _validate_saved(key: str, boxes: list[Box], shape: tuple[int, ...]) -> None:

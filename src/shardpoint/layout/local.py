@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,11 +56,9 @@ def chunks_of(key: str, leaf: object) -> LocalChunks:
 
 
 def _as_dtensor(t: torch.Tensor):  # type: ignore[no-untyped-def]
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return t if isinstance(t, DTensor) else None
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist (and importing costs)
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    return t if dtensor is not None and isinstance(t, dtensor) else None
 
 
 def _dtensor_chunks(key: str, dt) -> LocalChunks:  # type: ignore[no-untyped-def]

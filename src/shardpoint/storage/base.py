@@ -52,6 +52,14 @@ class Storage(ABC):
         the storage can fill one without a copy). Raises
         :class:`CorruptCheckpointError` naming the file when it is missing or shorter."""
 
+    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with ``len(buf)`` bytes of ``name`` from ``offset``. Storages that
+        can read without an intermediate copy override this."""
+        data = self.read(name, offset, len(buf))
+        if len(data) != len(buf):
+            raise CorruptCheckpointError(f"{name}: short read at byte {offset}; the file is truncated")
+        buf[:] = data
+
     @abstractmethod
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists."""

@@ -107,6 +107,27 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"data file {path} is missing; the checkpoint is incomplete (restore the file or use another checkpoint)"
+            ) from None
+        try:
+            got, length = 0, len(buf)
+            while got < length:
+                n = os.preadv(fd, [buf[got:]], offset + got)
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"data file {path} is truncated: wanted bytes {offset}..{offset + length}, it ends at "
+                        f"{offset + got}; the checkpoint is damaged (restore the file or use another checkpoint)"
+                    )
+                got += n
+        finally:
+            os.close(fd)
+
     def exists(self, name: str) -> bool:
         return os.path.exists(self._path(name))
 
