@@ -517,7 +517,6 @@ def test_empty_containers_come_back(tmp_path: Path) -> None:
     assert isinstance(target["rng"], shardpoint.PerRank) and target["rng"].value == {"gen": {}, "hist": [[], ()], "n": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="api.load_full builds its root without hollow_containers (lead's file)")
 def test_load_full_keeps_empty_containers(tmp_path: Path) -> None:
     shardpoint.save({"a": {}, "l": [], "b": 1}, tmp_path / "ckpt")
     assert shardpoint.load_full(tmp_path / "ckpt") == {"a": {}, "l": [], "b": 1}

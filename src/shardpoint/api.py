@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._load import Reader, TreeLoad, _Pending, _Selector, leaf_value, load_per_rank, materialise_tree, read_manifest
+from ._load import Reader, TreeLoad, _Pending, _Selector, hollow_containers, leaf_value, load_per_rank, materialise_tree, read_manifest
 from ._save import _Local, after_commit_hook, describe, save_collective
 from .collective import Comm, agree
 from .format.datafile import dtype_from_name
@@ -190,7 +190,7 @@ def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bo
     manifest = read_manifest(storage)
     select = _Selector(keys, None)
     reader = Reader(storage, manifest.crc_block, verify)
-    root = _Pending("", manifest.tree.containers)
+    root = _Pending("", manifest.tree.containers, hollow_containers(manifest.tree, select))
     for k, e in manifest.tree.entries.items():
         if not select(k):
             continue
