@@ -1,0 +1,123 @@
+"""Collective safety on 4 real gloo ranks: ranks that do not call save are named
+on every rank that did, whichever they are; ranks that call late get the same
+error instead of hanging; ranks that disagree on the path are told so; and the
+next correct save on all ranks works (the per-call sequence stays in step)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CollectiveMismatchError
+from tests._dist import run_ranks
+
+pytestmark = pytest.mark.distributed
+WORLD = 4
+SHORT = 3.0  # seconds the failing calls wait for absent ranks
+LONG = 60.0  # the correct calls afterwards: ranks arrive seconds apart
+
+
+def state(rank: int) -> dict:
+    return {"w": torch.arange(6.0), "step": 5, "rng": shardpoint.PerRank(rank)}
+
+
+def check_next_save_works(rank: int, path: str) -> None:
+    """A correct collective save and load right after the failure."""
+    shardpoint.save(state(rank), path, timeout=LONG)
+    target = {"w": torch.zeros(6), "step": 0, "rng": shardpoint.PerRank(-1)}
+    report = shardpoint.load(target, path, timeout=LONG)
+    assert torch.equal(target["w"], torch.arange(6.0)) and target["step"] == 5 and target["rng"].value == rank
+    assert report.per_rank == {"rng": "restored"}
+
+
+def absent_case(rank: int, world: int, callers: list[int], tmp: str) -> dict:
+    """Ranks in ``callers`` call save; the others wait in a barrier of the training
+    group (a collective of their own: it must not be matched against the save's),
+    then call the same save late."""
+    import torch.distributed as dist
+
+    path = f"{tmp}/ckpt"
+    t0 = time.monotonic()
+    if rank in callers:
+        with pytest.raises(CollectiveMismatchError) as ei:
+            shardpoint.save(state(rank), path, timeout=SHORT)
+        dist.barrier()  # lets the absent ranks go on
+    else:
+        dist.barrier()  # stuck in the training group's collective while the others save
+        with pytest.raises(CollectiveMismatchError) as ei:
+            shardpoint.save(state(rank), path, timeout=LONG)  # late: the call was already abandoned
+    failed_after = time.monotonic() - t0
+    import os
+
+    leftovers = os.listdir(path) if os.path.isdir(path) else []
+    check_next_save_works(rank, f"{tmp}/next")
+    return {"ranks": ei.value.ranks, "msg": str(ei.value), "failed_after": failed_after, "leftovers": leftovers}
+
+
+def _check_absent(results: list[dict], absent: list[int]) -> None:
+    for r, res in enumerate(results):
+        assert res["ranks"] == absent, f"rank {r} named {res['ranks']}, expected {absent}"
+        assert f"ranks {absent} of the process group did not call it" in res["msg"], res["msg"]
+        assert "shardpoint.save(" in res["msg"] and "timeout" in res["msg"]
+        # a late rank sees the verdict at once; it does not sit out its own (long) timeout
+        assert res["failed_after"] < LONG, f"rank {r} waited its whole timeout"
+        assert "manifest.json" not in res["leftovers"]
+
+
+def test_only_rank_0_calls_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_ranks(absent_case, WORLD, [0], str(tmp_path), timeout=180)
+    _check_absent(results, [1, 2, 3])
+
+
+def test_ranks_1_and_3_are_elsewhere(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_ranks(absent_case, WORLD, [0, 2], str(tmp_path), timeout=180)
+    _check_absent(results, [1, 3])
+
+
+def test_rank_0_does_not_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_ranks(absent_case, WORLD, [1, 2, 3], str(tmp_path), timeout=180)
+    _check_absent(results, [0])
+
+
+def never_case(rank: int, world: int, tmp: str) -> dict | None:
+    """Only rank 0 calls; the others never do and simply finish."""
+    if rank != 0:
+        return None
+    with pytest.raises(CollectiveMismatchError) as ei:
+        shardpoint.save(state(rank), f"{tmp}/ckpt", timeout=SHORT)
+    return {"ranks": ei.value.ranks}
+
+
+def test_ranks_that_never_call_do_not_hang_rank_0(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_ranks(never_case, WORLD, str(tmp_path), timeout=180)
+    assert results[0] == {"ranks": [1, 2, 3]} and results[1:] == [None, None, None]
+
+
+def paths_case(rank: int, world: int, tmp: str) -> dict:
+    path = f"{tmp}/a" if rank < 2 else f"{tmp}/b"
+    with pytest.raises(CollectiveMismatchError) as ei:
+        shardpoint.save(state(rank), path, timeout=LONG)
+    # save on one path, load on another: the same check
+    with pytest.raises(CollectiveMismatchError) as ei2:
+        if rank == 3:
+            shardpoint.load({"w": torch.zeros(6)}, f"{tmp}/a", timeout=LONG)
+        else:
+            shardpoint.save(state(rank), f"{tmp}/a", timeout=LONG)
+    check_next_save_works(rank, f"{tmp}/next")
+    import os
+
+    return {"ranks": ei.value.ranks, "msg": str(ei.value), "ranks2": ei2.value.ranks, "msg2": str(ei2.value),
+            "a": os.path.exists(f"{tmp}/a/manifest.json"), "b": os.path.exists(f"{tmp}/b/manifest.json")}
+
+
+def test_ranks_with_different_paths(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_ranks(paths_case, WORLD, str(tmp_path), timeout=180)
+    for r, res in enumerate(results):
+        assert res["ranks"] == [2, 3], f"rank {r}: {res}"
+        assert "different checkpoint operations or paths" in res["msg"]
+        assert f"rank 0: save('{tmp_path}/a')" in res["msg"] and f"rank 2: save('{tmp_path}/b')" in res["msg"]
+        assert res["ranks2"] == [3] and "rank 3: load(" in res["msg2"]
+        assert not res["a"] and not res["b"]
