@@ -520,3 +520,18 @@ def test_empty_containers_come_back(tmp_path: Path) -> None:
 def test_load_full_keeps_empty_containers(tmp_path: Path) -> None:
     shardpoint.save({"a": {}, "l": [], "b": 1}, tmp_path / "ckpt")
     assert shardpoint.load_full(tmp_path / "ckpt") == {"a": {}, "l": [], "b": 1}
+
+
+def test_per_rank_keys_are_checked_like_any_other(tmp_path: Path) -> None:
+    shardpoint.save({"w": torch.ones(2), "rng": shardpoint.PerRank({"seed": 3})}, tmp_path / "ckpt")
+    with pytest.raises(KeyMismatchError, match=r"\['rng2'\]"):
+        shardpoint.load({"w": torch.zeros(2), "rng": shardpoint.PerRank(None), "rng2": shardpoint.PerRank(0)}, tmp_path / "ckpt")
+    with pytest.raises(KeyMismatchError, match="'w' is a PerRank value in the local state but a tensor"):
+        shardpoint.load({"w": shardpoint.PerRank(torch.zeros(2)), "rng": shardpoint.PerRank({"seed": 0})}, tmp_path / "ckpt")
+    with pytest.raises(KeyMismatchError, match="'rng' is a plain value in the local state but a per_rank"):
+        shardpoint.load({"w": torch.zeros(2), "rng": 5}, tmp_path / "ckpt")
+    target = {"w": torch.zeros(2), "rng": shardpoint.PerRank({"seed": 0}), "rng2": shardpoint.PerRank(0)}
+    report = shardpoint.load(target, tmp_path / "ckpt", strict=False)
+    assert report.missing == ["rng2"] and target["rng"].value == {"seed": 3} and report.per_rank == {"rng": "restored"}
+    report = shardpoint.load(target, tmp_path / "ckpt", exclude=["rng"], strict=False)
+    assert report.skipped == ["rng"] and report.per_rank == {}

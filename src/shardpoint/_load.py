@@ -215,6 +215,18 @@ class TreeLoad:
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
                     )
+        for key in self.walk.per_rank:
+            if not self.select(key):
+                r.skipped.append(key)
+                continue
+            e = self.tree.entries.get(key)
+            if e is None:
+                r.missing.append(key)
+            elif e["kind"] != "per_rank":
+                raise KeyMismatchError(
+                    f"key {key!r} is a PerRank value in the local state but a {e['kind']} in the checkpoint; "
+                    "wrap it (or not) in shardpoint.PerRank the way it was saved, or leave it out with exclude="
+                )
         for key in self.tree.entries:
             if not self.select(key) and key not in self.walk.leaves:
                 r.skipped.append(key)
