@@ -4,8 +4,6 @@ run's global batches, step by step, across epoch boundaries."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -226,7 +224,7 @@ def test_workers_prefetching_ahead_do_not_make_a_resume_skip() -> None:
     loader = DataLoader(Indices(), batch_sampler=s, num_workers=2, prefetch_factor=4)
     got: list[list[int]] = []
     it = iter(loader)
-    for k in range(5):
+    for _ in range(5):
         mine = [i for _ in range(2) for i in next(it).tolist()]
         got.append(mine)
         s.step()
