@@ -195,11 +195,14 @@ def _unavailable(reason: str) -> None:
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[S3Server]:
     """One moto S3 server for the whole test session."""
+    cm = s3_server()
+    reason = None
     try:
-        cm = s3_server()
         server = cm.__enter__()
     except S3ServerUnavailable as e:
-        _unavailable(str(e))
+        reason = str(e)
+    if reason is not None:
+        _unavailable(reason)
         return
     try:
         yield server

@@ -233,3 +233,36 @@ def test_block_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("SHARDPOINT_S3_BLOCK_SIZE", "64MB")
     with pytest.raises(ValueError, match="SHARDPOINT_S3_BLOCK_SIZE='64MB' is not a whole number of bytes"):
         fsspec_storage._env_size("SHARDPOINT_S3_BLOCK_SIZE", 64 * MiB)
+
+
+_KILLED_WRITER = """
+import json, os, signal, sys
+import shardpoint.storage.fsspec as m
+m.BLOCK_SIZE = 5 << 20
+st = m.FsspecStorage(sys.argv[1], storage_options=json.loads(sys.argv[2]))
+def parts():
+    yield b"\\3" * (2 * m.BLOCK_SIZE + 10)  # two parts uploaded
+    os.kill(os.getpid(), signal.SIGKILL)
+st.write_file("rank-0.bin", parts())
+"""
+
+
+def test_killed_writer_publishes_nothing(store: FsspecStorage, s3_endpoint: S3Server, s3_bucket: str) -> None:
+    """SIGKILL in the middle of a multipart upload: no object, ever. The unfinished
+    upload stays on the server (a bucket lifecycle rule expires those)."""
+    import json
+    import subprocess
+    import sys
+
+    s3_endpoint.client().put_bucket_versioning(
+        Bucket=s3_bucket, VersioningConfiguration={"Status": "Enabled"}
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, store.url, json.dumps(s3_endpoint.storage_options)],
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert _versions(s3_endpoint, s3_bucket) == []
+    assert not store.exists("rank-0.bin")
+    assert s3_endpoint.open_uploads(s3_bucket) == ["run/step-5/rank-0.bin"]
