@@ -17,6 +17,7 @@ from shardpoint.storage import storage_for
 from shardpoint.storage.fsspec import FsspecStorage
 from tests.s3server import S3Server
 
+pytestmark = pytest.mark.s3
 MiB = 1 << 20
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.s3server import S3Server, S3ServerUnavailable, s3_server
 
+pytestmark = pytest.mark.s3
 REPO = Path(__file__).resolve().parents[2]
 
 
