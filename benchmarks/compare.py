@@ -26,7 +26,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import MB, MiB, JobFailed, dd_write_mb_s, drop_caches, launch, run_timed, tree_bytes  # noqa: E402
+from _common import MB, JobFailed, MiB, dd_write_mb_s, drop_caches, launch, run_timed, tree_bytes  # noqa: E402
 
 
 def merge(per_rank: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,6 +100,7 @@ OPS = [
     ("sp_async", "shardpoint save(blocking=False): stall (total to wait())"),
     ("sp_load4", "shardpoint load on 4 ranks"),
     ("sp_load2", "shardpoint load 4 -> 2 ranks"),
+    ("sp_load2_noverify", "  the same with verify=False (no CRC check; DCP checks none)"),
 ]
 
 
@@ -243,6 +244,7 @@ def main() -> int:
         res["torch"] = torch.__version__
         print(f"== shardpoint benchmark, ~{args.size_mb} MB of state, checkpoints under {tmp}", file=sys.stderr)
         res["page_cache_dropped"] = drop_caches()
+        res["loadavg_start"] = os.getloadavg()
 
         mb_s, runs = dd_write_mb_s(tmp, args.size_mb)
         res["rows"]["dd"] = {"s": args.size_mb * MB / (mb_s * MB), "mb_s": mb_s, "runs_mb_s": runs}
@@ -306,7 +308,8 @@ def main() -> int:
         targets_table(res["targets"]),
         "",
         *[f"- {n}" for n in notes(res)],
-        f"- Whole run: {res['wall_s']:.0f} s.",
+        f"- Whole run: {res['wall_s']:.0f} s. 1-min load average before it started: {res.get('loadavg_start', [0])[0]:.1f} "
+        f"({res['cpus']} cores; well above 0 means other work shared the machine).",
     ]
     if res["errors"]:
         text.append(f"- {len(res['errors'])} job(s) failed; see the JSON `errors`.")

@@ -21,7 +21,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _common import fsync_tree  # noqa: E402
 from compare_fsdp import Recorder  # noqa: E402
 from compare_model import batch, build  # noqa: E402
@@ -68,7 +67,7 @@ def role_ds_save(cfg: dict[str, Any]) -> None:
     rec.info["fingerprint"] = fp32_fingerprint(engine)
     rec.flush()
     rec.op("ds_save", lambda: engine.save_checkpoint(cfg["dirs"]["ds"], tag="step1"))
-    rec.op("ds_fsync", lambda: fsync_tree(cfg["dirs"]["ds"]), ranks=(0,))
+    rec.op("ds_fsync", lambda: fsync_tree(cfg["dirs"]["ds"]), flush=False, ranks=(0,))
 
 
 def role_ds_load(cfg: dict[str, Any]) -> None:

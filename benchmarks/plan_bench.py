@@ -202,7 +202,7 @@ def sp_metas(lay: dict[str, Any], world: int) -> list[dict[str, Any]]:
         metas.append({
             "containers": {"": "dict", "model": "dict"},
             "values": {},
-            "tensors": {key: {"dtype": "float32", "shape": list(s), "numpy": False} for key, s in zip(keys, shapes)},
+            "tensors": {key: {"dtype": "float32", "shape": list(s), "numpy": False} for key, s in zip(keys, shapes, strict=True)},
             "chunks": {"key": list(keys), "off": [o[: nds[k]] for k, o in enumerate(offs[r])],
                        "size": [s[: nds[k]] for k, s in enumerate(sizes[r])]},
             "per_rank": {},
