@@ -328,7 +328,10 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
             new_files = set(manifest.files)
             for f in old_files:
                 if f not in new_files:
-                    storage.remove(f)
+                    try:
+                        storage.remove(f)
+                    except Exception:  # noqa: BLE001 - the new checkpoint is committed; a leftover is harmless
+                        pass
             if after_commit is not None:
                 after_commit()
         except Exception as e:  # noqa: BLE001
@@ -336,8 +339,19 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
     try:
         agree(comm, None, commit_err)
     except BaseException:
-        storage.remove(fname)
+        # a failure after the manifest was written (in a hook) leaves a committed
+        # checkpoint: its data must stay
+        if not _committed(storage, save_id):
+            storage.remove(fname)
         raise
+
+
+def _committed(storage: Storage, save_id: str) -> bool:
+    """Whether the manifest at ``storage`` is the one of save ``save_id``."""
+    try:
+        return Manifest.parse(bytes(storage.read(MANIFEST_NAME))).save_id == save_id
+    except Exception:  # noqa: BLE001 - no (readable) manifest: not committed
+        return False
 
 
 #: Called with the name of each phase boundary of a save ("planned", "written",
