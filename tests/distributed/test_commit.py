@@ -1,0 +1,220 @@
+"""The commit rule: a checkpoint exists when its manifest exists, and the manifest
+is written last. A rank that fails after writing its data fails the save on
+every rank and leaves no manifest, no leftovers and every earlier checkpoint
+intact; strace shows every data fsync before the manifest rename and a directory
+fsync after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CollectiveMismatchError
+from shardpoint.layout import FlatShard
+from tests._dist import free_port, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def state(rank: int, world: int, version: int) -> dict:
+    full = torch.arange(40, dtype=torch.float32) + 100 * version
+    n = 40 // world
+    return {"w": FlatShard(full[rank * n : (rank + 1) * n].clone(), (40,), rank * n),
+            "rep": torch.full((5,), float(version)), "version": version, "rng": shardpoint.PerRank(rank + version)}
+
+
+def check_loads(path: str, version: int) -> None:
+    full = shardpoint.load_full(path)
+    assert torch.equal(full["w"], torch.arange(40, dtype=torch.float32) + 100 * version), path
+    assert full["version"] == version and torch.equal(full["rep"], torch.full((5,), float(version)))
+
+
+def listing(path: str) -> list[str]:
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def failing_rank_case(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed as dist
+
+    import shardpoint._save as save_mod
+
+    other, same, fresh = f"{tmp}/other", f"{tmp}/same", f"{tmp}/fresh"
+    shardpoint.save(state(rank, world, 1), other)
+    shardpoint.save(state(rank, world, 2), same)
+    before = {p: listing(p) for p in (other, same)}
+    manifest_before = Path(same, "manifest.json").read_bytes()
+
+    def hook(phase: str) -> None:
+        if phase == "written" and rank == 1:
+            assert listing(same) != before[same] or listing(fresh), "the hook runs after the data is written"
+            raise Boom("disk on fire after writing")
+
+    save_mod.phase_hook = hook
+    errors = {}
+    for path, overwrite in ((same, True), (fresh, False)):
+        try:
+            shardpoint.save(state(rank, world, 3), path, overwrite=overwrite)
+        except Exception as e:  # noqa: BLE001
+            errors[path] = (type(e).__name__, str(e), getattr(e, "ranks", None))
+        else:
+            errors[path] = None
+    save_mod.phase_hook = None
+    dist.barrier()  # every rank has cleaned up after itself
+    out = {"errors": errors, "same": listing(same), "fresh": listing(fresh), "before": before,
+           "manifest_same": Path(same, "manifest.json").read_bytes() == manifest_before,
+           "other": listing(other)}
+    check_loads(other, 1)
+    check_loads(same, 2)
+    # and the next save goes through
+    shardpoint.save(state(rank, world, 4), same, overwrite=True)
+    dist.barrier()
+    check_loads(same, 4)
+    out["after"] = listing(same)
+    return out
+
+
+def test_rank_failing_after_write_leaves_no_manifest(tmp_path: Path) -> None:
+    results = run_ranks(failing_rank_case, 2, str(tmp_path), timeout=180)
+    for rank, res in enumerate(results):
+        for path, err in res["errors"].items():
+            assert err is not None, f"rank {rank}: save to {path} did not raise"
+            if rank == 1:  # its own error, as a ShardpointError (the original chained)
+                assert err[0] == "ShardpointError" and "Boom: disk on fire" in err[1], err
+            else:
+                assert err[0] == "CollectiveMismatchError" and err[2] == [1], err
+                assert "rank 1 failed" in err[1] and "disk on fire" in err[1]
+        assert res["manifest_same"], "the committed manifest was touched"
+        assert res["same"] == res["before"][f"{tmp_path}/same"], "leftovers of the failed save at the old path"
+        assert res["other"] == res["before"][f"{tmp_path}/other"]
+        assert res["fresh"] == [], f"leftovers of the failed save: {res['fresh']}"
+        after = res["after"]
+        assert "manifest.json" in after and not set(after) & (set(res["before"][f"{tmp_path}/same"]) - {"manifest.json"}), \
+            "the replaced checkpoint's data files must be gone"
+    assert issubclass(CollectiveMismatchError, shardpoint.ShardpointError)
+
+
+# --- one process: a failure after the manifest was written keeps the checkpoint ----------
+
+@pytest.mark.parametrize("phase", ["before_commit", "committed"])
+def test_failure_around_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+    import shardpoint._save as save_mod
+
+    p = str(tmp_path / "ckpt")
+    shardpoint.save(state(0, 1, 1), p)
+    old = listing(p)
+
+    def hook(at: str) -> None:
+        if at == phase:
+            raise Boom(at)
+
+    monkeypatch.setattr(save_mod, "phase_hook", hook)
+    with pytest.raises(shardpoint.ShardpointError, match=f"Boom: {phase}") as ei:
+        shardpoint.save(state(0, 1, 2), p, overwrite=True)
+    assert isinstance(ei.value.__cause__, Boom)
+    monkeypatch.setattr(save_mod, "phase_hook", None)
+    if phase == "before_commit":  # not committed: the old checkpoint, and nothing else
+        assert listing(p) == old
+        check_loads(p, 1)
+    else:  # committed: the new checkpoint is complete, its data must not be removed
+        check_loads(p, 2)
+        files = json.loads(Path(p, "manifest.json").read_text())["files"]
+        assert all(Path(p, f).exists() for f in files)
+
+
+# --- the order of fsync and rename, seen by strace ----------------------------------------
+
+SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import shardpoint
+from shardpoint.layout import FlatShard
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+full = torch.arange(4096, dtype=torch.float32)
+n = full.numel() // world
+shardpoint.save({"w": FlatShard(full[rank * n:(rank + 1) * n].clone(), (4096,), rank * n),
+                 "rep": torch.ones(300), "rng": shardpoint.PerRank(rank)}, sys.argv[1])
+dist.destroy_process_group()
+"""
+
+_DONE = re.compile(r"^(\d+)\s+(\w+)\((.*)\)\s+=\s+(-?\d+)")
+_START = re.compile(r"^(\d+)\s+(\w+)\((.*) <unfinished \.\.\.>$")
+_RESUMED = re.compile(r"^(\d+)\s+<\.\.\. (\w+) resumed>(.*)\)\s+=\s+(-?\d+)")
+
+
+def parse_strace(log: str) -> list[dict]:
+    """Syscalls with the log line where each started and ended (a call of one
+    process may be split by calls of others)."""
+    events, pending = [], {}
+    for i, line in enumerate(log.splitlines()):
+        if m := _DONE.match(line):
+            events.append({"pid": m[1], "call": m[2], "args": m[3], "ret": int(m[4]), "start": i, "end": i})
+        elif m := _START.match(line):
+            pending[m[1]] = {"pid": m[1], "call": m[2], "args": m[3], "start": i}
+        elif m := _RESUMED.match(line):
+            ev = pending.pop(m[1])
+            assert ev["call"] == m[2]
+            ev.update(args=ev["args"] + m[3], ret=int(m[4]), end=i)
+            events.append(ev)
+    return events
+
+
+def fd_path(args: str) -> str | None:
+    m = re.match(r"\d+<(.*)>$", args.strip())
+    return m[1] if m else None
+
+
+def test_strace_data_fsync_before_manifest_rename_then_dir_fsync(tmp_path: Path) -> None:
+    strace = shutil.which("strace")
+    if strace is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("strace is not installed; CI must install it (apt-get install -y strace)")
+        pytest.skip("strace is not installed (apt-get install -y strace); CI=true makes this a failure")
+    script = tmp_path / "save2.py"
+    script.write_text(SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    log = tmp_path / "strace.log"
+    cmd = [strace, "-f", "-y", "-qq", "-e", "signal=none", "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
+           "-o", str(log), sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(ckpt)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    if proc.returncode != 0 and "ptrace" in (proc.stderr + proc.stdout).lower() and os.environ.get("CI") != "true":
+        pytest.skip(f"strace cannot trace here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data_files = sorted(manifest["files"])
+    assert len(data_files) == 2, "both ranks write data"
+    events = [e for e in parse_strace(log.read_text()) if e["ret"] == 0]
+    renames = [e for e in events if e["call"].startswith("rename") and f'"{ckpt}/manifest.json"' in e["args"]]
+    assert len(renames) == 1, f"one rename makes the manifest: {renames}"
+    rename = renames[0]
+    assert f"{ckpt}/.manifest.json.tmp-" in rename["args"], rename
+    tmp_name = re.search(r'"([^"]*\.manifest\.json\.tmp-[^"]*)"', rename["args"])[1]
+    fsyncs = [(fd_path(e["args"]), e) for e in events if e["call"] in ("fsync", "fdatasync")]
+    for f in data_files:
+        done = [e for p, e in fsyncs if p == f"{ckpt}/{f}"]
+        assert done, f"{f} was never fsynced"
+        assert min(e["end"] for e in done) < rename["start"], f"{f} was fsynced after the manifest rename"
+    assert any(p == tmp_name and e["end"] < rename["start"] for p, e in fsyncs), "the manifest was not fsynced before its rename"
+    assert any(p == str(ckpt) and e["start"] > rename["end"] for p, e in fsyncs), "no directory fsync after the rename"
+    # the data files' directory entries were made durable before the commit, too
+    assert any(p == str(ckpt) and e["end"] < rename["start"] for p, e in fsyncs)
+    check = shardpoint.load_full(ckpt)
+    assert torch.equal(check["w"], torch.arange(4096, dtype=torch.float32))
