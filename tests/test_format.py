@@ -210,7 +210,6 @@ def test_document_reader_agrees_with_load_full(tmp_path: Path, monkeypatch: pyte
     assert mine["odd"] == {"a/b": 1, "%": b"\x00\x01", "0": "str zero", 0: "int zero", -1: None, "": math.inf, "nan": mine["odd"]["nan"]}
     assert math.isnan(mine["odd"]["nan"])
     assert mine["empty"] == {"d": {}, "l": []}
-    theirs.setdefault("empty", {"d": {}, "l": []})  # load_full drops empty containers (see test_api)
     assert same(mine, theirs), (mine, theirs)
     assert mine["flat"] == Raw("int16", (3, 4), torch.arange(12, dtype=torch.int16).numpy().tobytes())
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
@@ -383,7 +382,7 @@ def test_v1_fixture_loads_with_exact_values() -> None:
     full = shardpoint.load_full(V1)
     want = v1_expected()
     rng = full.pop("rng")
-    full.pop("empty", None)  # empty containers: see test_load_full_keeps_empty_containers
+    assert full.pop("empty") == {"d": {}, "l": []}
     assert same(as_raw(full), as_raw(want))
     assert isinstance(full["np"], np.ndarray)
     assert sorted(rng) == [0, 1, 2, 3]
