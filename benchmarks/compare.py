@@ -90,6 +90,7 @@ OPS = [
     ("torch_save", "`torch.save` + fsync of the full state, 1 process"),
     ("dcp_save", "DCP save (fsync)"),
     ("dcp_async", "DCP async_save: stall (total to done)"),
+    ("dcp_async2", "  second call"),
     ("dcp_load4", "DCP load on 4 ranks"),
     ("dcp_load2", "DCP load 4 -> 2 ranks"),
     ("ds_save", "DeepSpeed ZeRO-2 save_checkpoint (no fsync)"),
@@ -98,6 +99,7 @@ OPS = [
     ("ds_universal_load2", "DeepSpeed universal load on 2 ranks"),
     ("sp_save", "shardpoint save (blocking)"),
     ("sp_async", "shardpoint save(blocking=False): stall (total to wait())"),
+    ("sp_async2", "  second call (staging buffers reused)"),
     ("sp_load4", "shardpoint load on 4 ranks"),
     ("sp_load2", "shardpoint load 4 -> 2 ranks"),
     ("sp_load2_noverify", "  the same with verify=False (no CRC check; DCP checks none)"),
@@ -231,7 +233,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="shardpoint-bench-", dir=args.tmpdir)
     work = os.path.join(tmp, "work")
     os.makedirs(work)
-    dirs = {k: os.path.join(tmp, k) for k in ("dcp", "dcp_async", "sp", "sp_async", "ds")}
+    dirs = {k: os.path.join(tmp, k) for k in ("dcp", "dcp_async", "dcp_async2", "sp", "sp_async", "sp_async2", "ds")}
     dirs["torch_save"] = os.path.join(tmp, "torch_save.pt")
     res: dict[str, Any] = {
         "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
