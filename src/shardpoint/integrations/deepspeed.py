@@ -1,0 +1,486 @@
+"""DeepSpeed: save and resume ZeRO engines (stages 0-3) on any world size, and
+import checkpoints written by DeepSpeed's own ``engine.save_checkpoint``.
+
+A ZeRO rank owns a contiguous range of each parameter group's flattened fp32
+master weights, and Adam's moments live in flat tensors of the same layout. This
+module finds, for every parameter, the range this rank holds and hands the core
+views into DeepSpeed's own flat buffers as :class:`~shardpoint.layout.FlatShard`
+leaves, so a load on another world size copies straight into them.
+
+The keys are the training-state layout (``docs/format.md``)::
+
+    model/<fqn>                              fp32 master weights (buffers, frozen params as held)
+    optimizer/state/<fqn>/{exp_avg,exp_avg_sq,step}
+    optimizer/param_groups/<i>/<hyperparameter>, .../params = [fqn, ...]
+    scheduler/...                            engine.lr_scheduler.state_dict()
+    engine/{global_steps,global_samples,skipped_steps}
+    client/...                               client_state
+
+DeepSpeed is imported lazily: importing this module never imports deepspeed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..errors import KeyMismatchError, ShardpointError
+from ..layout import FlatShard
+from ..report import LoadReport
+from ..tree import encode_key
+
+__all__ = ["save", "load", "convert", "finish_load", "train_state_parts", "prepare_train_state", "apply_train_state"]
+
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+# -- where each parameter's fp32 master and optimizer state live on this rank ---------------
+@dataclass(slots=True)
+class Piece:
+    """What this rank holds of one trainable parameter.
+
+    ``key`` is the tensor that keys the torch optimizer's state (a ZeRO flat
+    partition, or the fp32 parameter itself); this rank's elements
+    ``[start, start + numel)`` of the parameter's row-major flattening sit at
+    ``key.view(-1)[offset : offset + numel]``, and so do its per-element optimizer
+    states in ``optimizer.state[key]``."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    key: torch.Tensor
+    offset: int
+    group: int
+    sharded: bool  # False: every rank holds the whole parameter (no ZeRO partitioning)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor | FlatShard:
+        """The leaf for a tensor laid out like ``key`` (the master or a moment)."""
+        part = flat.detach().view(-1).narrow(0, self.offset, self.numel)  # detached: loads copy into it
+        return FlatShard(part, self.shape, self.start) if self.sharded else part.view(self.shape)
+
+
+def torch_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that DeepSpeed's wrapper (if any) steps."""
+    opt = engine.optimizer
+    if opt is None:
+        raise ShardpointError("this DeepSpeed engine has no optimizer; shardpoint saves training engines")
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else opt
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    """id(param) -> canonical name, as TrainState names optimizer state."""
+    from ..state import canonical_name
+
+    return {id(p): canonical_name(n) for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _kind(engine: Any) -> str:
+    opt = engine.optimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        if getattr(opt, "swap_optimizer", False):
+            raise ShardpointError("ZeRO-3 with optimizer state swapped to NVMe is not supported; keep the optimizer state in memory")
+        return "zero3"
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        return "zero12"
+    if isinstance(opt, BF16_Optimizer):
+        return "bf16"
+    if isinstance(opt, FP16_Optimizer):
+        return "fused"
+    if isinstance(opt, FP16_UnfusedOptimizer):
+        return "unfused"
+    if isinstance(opt, torch.optim.Optimizer):
+        return "plain"
+    raise ShardpointError(
+        f"DeepSpeed optimizer wrapper {type(opt).__module__}.{type(opt).__name__} is not supported; shardpoint "
+        "knows ZeRO stages 0-3, BF16_Optimizer and FP16_Optimizer. Open an issue with your DeepSpeed config"
+    )
+
+
+def pieces(engine: Any) -> list[Piece]:
+    """This rank's piece of every trainable parameter, in optimizer order."""
+    names = _param_names(engine.module)
+    opt, kind = engine.optimizer, _kind(engine)
+    out: list[Piece] = []
+
+    def name(p: torch.Tensor) -> str:
+        n = names.get(id(p))
+        if n is None:
+            raise ShardpointError("the DeepSpeed optimizer holds a parameter that is not a parameter of engine.module")
+        return n
+
+    if kind in ("zero12", "bf16"):
+        lp_groups = opt.bit16_groups if kind == "zero12" else opt.bf16_groups
+        hp_flats = opt.single_partition_of_fp32_groups if kind == "zero12" else opt.fp32_groups_flat_partition
+        for g, (lps, flat) in enumerate(zip(lp_groups, hp_flats, strict=True)):
+            for p in lps:
+                m = getattr(p, "_hp_mapping", None)
+                if m is None:
+                    continue  # no element of p lies in this rank's partition
+                lp, hp = m.lp_fragment_address, m.hp_fragment_address
+                out.append(Piece(name(p), tuple(p.shape), int(lp.start), int(lp.numel), flat, int(hp.start), g, True))
+    elif kind == "zero3":
+        for sg, params in enumerate(opt.fp16_groups):
+            flat = opt.fp32_partitioned_groups_flat[sg]
+            g = int(opt.sub_group_to_group_id[sg])
+            for p in params:
+                _, offset, pnumel = opt.grad_position[opt.get_param_id(p)]
+                rank = opt._get_param_partition_rank(p)
+                start = rank * int(pnumel)
+                n = max(0, min(int(pnumel), int(p.ds_numel) - start))
+                if n:
+                    out.append(Piece(name(p), tuple(p.ds_shape), start, n, flat, int(offset), g, True))
+    elif kind == "fused":
+        for g, (lps, flat) in enumerate(zip(opt.fp16_groups, opt.fp32_groups_flat, strict=True)):
+            offset = 0
+            for p in lps:
+                out.append(Piece(name(p), tuple(p.shape), 0, p.numel(), flat, offset, g, False))
+                offset += p.numel()
+    elif kind == "unfused":
+        for g, (lps, hps) in enumerate(zip(opt.fp16_groups, opt.fp32_groups, strict=True)):
+            for p, hp in zip(lps, hps, strict=True):
+                out.append(Piece(name(p), tuple(p.shape), 0, p.numel(), hp, 0, g, False))
+    else:
+        for g, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                out.append(Piece(name(p), tuple(p.shape), 0, p.numel(), p, 0, g, False))
+    return out
+
+
+def _group_fqns(engine: Any) -> list[list[str]]:
+    """The fqns of each optimizer param group, in the group's order (every rank alike)."""
+    names = _param_names(engine.module)
+    opt, kind = engine.optimizer, _kind(engine)
+    if kind == "zero12":
+        groups = opt.bit16_groups
+    elif kind == "bf16":
+        groups = opt.bf16_groups
+    elif kind in ("fused", "unfused"):
+        groups = opt.fp16_groups
+    elif kind == "zero3":
+        n = len(torch_optimizer(engine).param_groups)
+        rows: list[list[str]] = [[] for _ in range(n)]
+        for sg, params in enumerate(opt.fp16_groups):
+            rows[int(opt.sub_group_to_group_id[sg])] += [names[id(p)] for p in params]
+        return rows
+    else:
+        groups = [g["params"] for g in opt.param_groups]
+    return [[names[id(p)] for p in ps] for ps in groups]
+
+
+def _zero3_frozen(engine: Any, p: torch.Tensor) -> FlatShard | None:
+    """A frozen ZeRO-3 parameter: this rank's partition, in the module's dtype."""
+    opt = engine.optimizer
+    pnumel = int(p.partition_numel())
+    start = opt._get_param_partition_rank(p) * pnumel
+    n = max(0, min(pnumel, int(p.ds_numel) - start))
+    return FlatShard(p.ds_tensor.detach().view(-1).narrow(0, 0, n), tuple(p.ds_shape), start) if n else None
+
+
+def _model_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
+    """``model/``: the fp32 master of every trainable parameter (under each of its
+    names, tied weights included), frozen parameters as held, persistent buffers."""
+    from ..state import canonical_name
+
+    names = _param_names(engine.module)
+    by_fqn = {pc.fqn: pc for pc in ps}
+    trainable = {fqn for row in _group_fqns(engine) for fqn in row}
+    zero3 = _kind(engine) == "zero3"
+    out: dict[str, Any] = {}
+    for prefix, mod in engine.module.named_modules(remove_duplicate=False):
+        for n, p in mod._parameters.items():
+            if p is None:
+                continue
+            fqn = canonical_name(f"{prefix}.{n}" if prefix else n)
+            own = names[id(p)]
+            if own in trainable:
+                pc = by_fqn.get(own)
+                leaf: Any = pc.view(pc.key) if pc is not None else None  # None: this rank holds none of it
+            elif zero3 and hasattr(p, "ds_tensor"):
+                leaf = _zero3_frozen(engine, p)
+            else:
+                leaf = p.data
+            if leaf is not None:
+                out[fqn] = leaf
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                out[canonical_name(f"{prefix}.{n}" if prefix else n)] = b
+    return out
+
+
+def _optimizer_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
+    topt = torch_optimizer(engine)
+    state: dict[str, Any] = {}
+    for pc in ps:
+        st = topt.state.get(pc.key)
+        if not st:
+            continue  # never stepped: DeepSpeed creates the state at the first step
+        row: dict[str, Any] = {}
+        for name, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == pc.key.shape:
+                row[name] = pc.view(v)
+            elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (bool, int, float)) or v is None:
+                row[name] = v  # step: one per flat partition, the same for every parameter in it
+            else:
+                raise ShardpointError(
+                    f"optimizer state {name!r} of parameter {pc.fqn!r} is a {type(v).__name__} of shape "
+                    f"{tuple(getattr(v, 'shape', ()))}, neither laid out like the parameters nor a scalar; "
+                    "shardpoint saves DeepSpeed optimizers whose state is per element (Adam, AdamW, SGD momentum)"
+                )
+        state[pc.fqn] = row
+    groups = []
+    for g, fqns in zip(topt.param_groups, _group_fqns(engine), strict=True):
+        hp = {k: v for k, v in g.items() if k != "params"}
+        hp["params"] = list(fqns)
+        groups.append(hp)
+    return {"state": state, "param_groups": groups}
+
+
+def train_state_parts(engine: Any) -> dict[str, Any]:
+    """The nested state of a DeepSpeed engine (live views, no copies): ``model``,
+    ``optimizer``, ``scheduler`` (if the engine has one) and ``engine``. Used by
+    :func:`save` and by ``TrainState(model=engine)``."""
+    ps = pieces(engine)
+    out: dict[str, Any] = {
+        "model": _model_leaves(engine, ps),
+        "optimizer": _optimizer_leaves(engine, ps),
+        "engine": {
+            "global_steps": int(engine.global_steps),
+            "global_samples": int(engine.global_samples),
+            "skipped_steps": int(engine.skipped_steps),
+        },
+    }
+    if engine.lr_scheduler is not None:
+        out["scheduler"] = engine.lr_scheduler
+    return out
+
+
+# -- loading ---------------------------------------------------------------------------------
+def prepare_train_state(engine: Any, entries: Mapping[str, Any], select: Callable[[str], bool]) -> list[str]:
+    """Before a load: create the optimizer state of an engine that has never stepped
+    (zeros, laid out like DeepSpeed's flat partitions, as the optimizer's first step
+    would), for every partition that the checkpoint has selected state for, so that
+    the load fills it in place. Returns the checkpoint keys whose state was created."""
+    topt = torch_optimizer(engine)
+    by_key: dict[int, tuple[torch.Tensor, list[Piece]]] = {}
+    for pc in pieces(engine):
+        by_key.setdefault(id(pc.key), (pc.key, []))[1].append(pc)
+    adam = isinstance(topt, (torch.optim.Adam, torch.optim.AdamW))
+    created: list[str] = []
+    for key, kps in by_key.values():
+        if topt.state.get(key):
+            continue
+        found: dict[str, Any] = {}
+        keys: list[str] = []
+        for pc in kps:
+            prefix = encode_key(("optimizer", "state", pc.fqn)) + "/"
+            for k, e in entries.items():
+                if k.startswith(prefix) and "/" not in k[len(prefix) :] and select(k):
+                    found.setdefault(k[len(prefix) :], e)
+                    keys.append(k)
+        if not found:
+            continue
+        want = dict.fromkeys(found)
+        if adam:
+            want.update(dict.fromkeys(_ADAM_STATE))
+            if topt.param_groups[kps[0].group].get("amsgrad"):
+                want["max_exp_avg_sq"] = None
+        new: dict[str, Any] = {}
+        for name in want:
+            e = found.get(name)
+            if e is not None and e["kind"] != "tensor":
+                new[name] = 0  # a plain value, set from the checkpoint by apply_train_state
+            elif name == "step" or (e is not None and tuple(e["shape"]) != kps[0].shape):
+                shape = tuple(e["shape"]) if e is not None else ()
+                new[name] = torch.zeros(shape, dtype=getattr(torch, e["dtype"]) if e is not None else torch.float32)
+            else:
+                new[name] = torch.zeros_like(key, memory_format=torch.preserve_format).detach()
+        topt.state[key] = new
+        created += keys
+    return created
+
+
+def apply_train_state(engine: Any, sd: Mapping[str, Any]) -> None:
+    """After the tensors were filled in place: set hyperparameters, plain optimizer
+    values and the engine's counters. Not collective; :func:`finish_load` (collective)
+    must follow to refresh the low-precision weights."""
+    topt = torch_optimizer(engine)
+    opt_sd = sd.get("optimizer")
+    if isinstance(opt_sd, Mapping):
+        saved_groups = opt_sd.get("param_groups")
+        if saved_groups is not None:
+            rows = _group_fqns(engine)
+            if len(saved_groups) != len(rows):
+                raise KeyMismatchError(
+                    f"optimizer: the checkpoint has {len(saved_groups)} param_groups, this engine has {len(rows)}; "
+                    "build the optimizer with the same groups, or exclude=['optimizer']"
+                )
+            for i, (g, saved, want) in enumerate(zip(topt.param_groups, saved_groups, rows, strict=True)):
+                got = list(saved.get("params", want))
+                if got != want:
+                    raise KeyMismatchError(
+                        f"optimizer param_groups[{i}] holds {want[:5]}... in this engine but {got[:5]}... in the "
+                        "checkpoint; the groups must hold the same parameters in the same order"
+                    )
+                for k, v in saved.items():
+                    if k != "params":
+                        g[k] = v
+        saved_state = opt_sd.get("state") or {}
+        for pc in pieces(engine):
+            for name, v in (saved_state.get(pc.fqn) or {}).items():
+                if (v is None or isinstance(v, (bool, int, float))) and pc.key in topt.state:
+                    topt.state[pc.key][name] = v  # a plain value (tensors were filled in place)
+    counters = sd.get("engine")
+    if isinstance(counters, Mapping):
+        for name in ("global_steps", "global_samples", "skipped_steps"):
+            if name in counters:
+                setattr(engine, name, int(counters[name]))
+    engine._shardpoint_refresh = True
+
+
+@torch.no_grad()
+def finish_load(engine: Any) -> None:
+    """Collective over the engine's data-parallel group: copy the fp32 masters into
+    the module's low-precision weights (all-gathering ZeRO-1/2 partitions, gathering
+    ZeRO-3 persistent parameters) and link DeepSpeed's per-parameter views of the
+    optimizer state, so ``safe_get_full_optimizer_state`` works before the next step."""
+    opt, kind = engine.optimizer, _kind(engine)
+    topt = torch_optimizer(engine)
+    if kind in ("zero12", "bf16"):
+        opt.update_lp_params()
+        flats = opt.single_partition_of_fp32_groups if kind == "zero12" else opt.fp32_groups_flat_partition
+        if all(topt.state.get(f) for f in flats):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+    elif kind == "zero3":
+        opt.checkpoint_event_prologue()
+        for sg in range(len(opt.fp16_groups)):
+            opt._reassign_or_swap_out_partitioned_parameters(sg)
+        opt.checkpoint_event_epilogue()
+    elif kind == "fused":
+        for lp, hp in zip(opt.fp16_groups_flat, opt.fp32_groups_flat, strict=True):
+            lp.copy_(hp)
+    elif kind == "unfused":
+        for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
+            for lp, hp in zip(lps, hps, strict=True):
+                lp.data.copy_(hp.data)
+    engine._shardpoint_refresh = False
+
+
+class EngineState:
+    """A DeepSpeed engine (and its client state) as one Stateful object for
+    :func:`shardpoint.save` / :func:`shardpoint.load`."""
+
+    def __init__(self, engine: Any, client_state: dict[str, Any] | None = None) -> None:
+        self.engine = engine
+        self.client_state = client_state
+        self._created: list[str] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        out = train_state_parts(self.engine)
+        if self.client_state is not None:
+            out["client"] = self.client_state
+        return out
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        apply_train_state(self.engine, sd)
+        if self.client_state is not None and isinstance(sd.get("client"), Mapping) and sd["client"] is not self.client_state:
+            self.client_state.update(sd["client"])
+
+    def _shardpoint_prepare_load(self, entries: dict[str, Any], select: Callable[[str], bool]) -> None:
+        self._created = prepare_train_state(self.engine, entries, select)
+
+    def _shardpoint_after_load(self, report: LoadReport, rank: int) -> None:
+        after_load_report(report, self._created)
+        self._created = []
+
+
+def after_load_report(report: LoadReport, created: list[str]) -> None:
+    """Optimizer state created by :func:`prepare_train_state` and then loaded is
+    reported as ``created``; keys the core created in the transient dicts of the
+    engine's state (a parameter this engine does not have) as ``unexpected``."""
+    mine = set(created)
+    report.loaded = [k for k in report.loaded if k not in mine]
+    report.created = sorted(set(report.created) | mine)
+    stray = [k for k in report.created if k not in mine and k.split("/", 1)[0] in ("model", "optimizer", "engine")]
+    if stray:
+        report.created = [k for k in report.created if k not in set(stray)]
+        report.unexpected = sorted(set(report.unexpected) | set(stray))
+
+
+# -- the public API ----------------------------------------------------------------------------
+def save(
+    engine: Any,
+    path: str | os.PathLike[str],
+    *,
+    client_state: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    timeout: timedelta | float = timedelta(minutes=10),
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Save a DeepSpeed engine (ZeRO stage 0-3): fp32 master weights, optimizer state,
+    param_groups, LR scheduler, global steps and samples, and ``client_state``.
+    Collective: every rank calls it. Each rank writes only the ZeRO partition it
+    owns; the checkpoint loads on any world size with :func:`load`, or into a plain
+    PyTorch / FSDP2 model with :class:`shardpoint.TrainState`.
+
+    ``client_state`` must be the same on every rank (wrap per-rank values in
+    :class:`shardpoint.PerRank`)."""
+    from .. import api
+
+    api.save(EngineState(engine, client_state), path, overwrite=overwrite, timeout=timeout, storage_options=storage_options)
+
+
+def load(
+    engine: Any,
+    path: str | os.PathLike[str],
+    *,
+    client_state: dict[str, Any] | None = None,
+    only: list[str] | str | None = None,
+    exclude: list[str] | str | None = None,
+    strict: bool = True,
+    timeout: timedelta | float = timedelta(minutes=10),
+    storage_options: dict[str, Any] | None = None,
+) -> LoadReport:
+    """Load a checkpoint into a DeepSpeed engine, in place, on any world size and ZeRO
+    stage. Collective. The engine, its module, optimizer and LR scheduler stay the
+    same objects. An engine that has never stepped gets its optimizer state created
+    (no dummy step). The module's low-precision weights are refreshed from the loaded
+    fp32 masters.
+
+    Args:
+        client_state: a dict that receives the saved client state (updated in place).
+        only / exclude: key prefixes to load or to leave out, e.g.
+            ``exclude=["optimizer"]`` to load weights only.
+        strict: raise :class:`~shardpoint.KeyMismatchError` if the engine has state
+            the checkpoint lacks.
+    """
+    from .. import api
+
+    state = EngineState(engine, client_state)
+    report = api.load(state, path, strict=strict, only=only, exclude=exclude, timeout=timeout, storage_options=storage_options)
+    finish_load(engine)
+    return report
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, tag: str | None = None,
+            progress: bool = True, overwrite: bool = False) -> None:
+    """Convert a checkpoint written by DeepSpeed's ``engine.save_checkpoint`` (ZeRO 1,
+    2 or 3; fp32 or bf16) into a shardpoint checkpoint that loads on any world size.
+    See :func:`shardpoint.integrations.deepspeed_import.convert`."""
+    from .deepspeed_import import convert as _convert
+
+    _convert(src, dst, tag=tag, progress=progress, overwrite=overwrite)
+

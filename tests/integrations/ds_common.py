@@ -1,0 +1,204 @@
+"""Helpers of the DeepSpeed tests: the import check, real ranks that start in a
+second, a tiny model, engines and deterministic batches.
+
+Starting a DeepSpeed rank costs 5-10 s of imports (torch._dynamo, which DeepSpeed's
+optimizer setup pulls in); 4 ranks on 2 cores take 40 s before the first step.
+``run_ds`` therefore starts its ranks from a forkserver that has imported torch,
+deepspeed and shardpoint once: each rank is still a fresh process with its own
+gloo group and nothing of an earlier rank's state, but it starts in ~0.5 s.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+PRELOAD = [
+    "torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.stage3",
+    "shardpoint", "shardpoint.integrations.deepspeed", "tests._dist", "tests.integrations.ds_common",
+]
+
+
+def require_deepspeed() -> Any:
+    """Import deepspeed, or skip the calling test module saying why; under
+    ``CI=true`` a missing DeepSpeed fails instead of skipping."""
+    try:
+        return importlib.import_module("deepspeed")
+    except Exception as e:  # noqa: BLE001 - any import failure means "cannot test DeepSpeed here"
+        reason = f"deepspeed cannot be imported ({type(e).__name__}: {e}); pip install 'shardpoint[deepspeed]'"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {reason}", pytrace=False)
+        pytest.skip(reason, allow_module_level=True)
+
+
+def run_ds(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60) -> list[Any]:
+    """``tests._dist.run_ranks``, with ranks forked from a preloaded forkserver."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from tests._dist import RankFailed, _entry, free_port
+
+    mp.set_forkserver_preload(PRELOAD)
+    ctx = mp.get_context("forkserver")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, {}), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout}s")
+            try:
+                rank, ok, value = q.get(timeout=min(left, 1.0))
+                results[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RankFailed(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    failed = {r: v for r, (ok, v) in results.items() if not ok}
+    if failed:
+        raise RankFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
+    return [pickle.loads(results[r][1]) for r in range(world_size)]
+
+
+# -- model, engine, data ------------------------------------------------------------------------
+IN, HID, OUT = 12, 20, 6
+GLOBAL_BATCH = 12
+
+
+def tiny_model(seed: int = 0) -> Any:
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, HID), torch.nn.Tanh())
+            self.head = torch.nn.Linear(HID, OUT)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, OUT))
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.body(x)) * self.scale.to(x.dtype)
+
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def build_engine(stage: int, *, gas: int = 1, bf16: bool = False, seed: int = 0, scheduler: bool = True,
+                 extra: dict[str, Any] | None = None) -> Any:
+    """A DeepSpeed engine over :func:`tiny_model` with torch AdamW, whose global batch
+    is GLOBAL_BATCH on any world size (micro batch GLOBAL_BATCH / (world * gas))."""
+    import logging
+
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    assert GLOBAL_BATCH % (world * gas) == 0, (world, gas)
+    model = tiny_model(seed)
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world * gas),
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.05, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-2, "warmup_num_steps": 6}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if extra:
+        cfg.update(extra)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def global_batch(step: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+def train(engine: Any, first_step: int, steps: int) -> list[float]:
+    """Run ``steps`` optimizer steps (each ``gas`` micro steps), starting at global
+    step ``first_step``; returns each step's loss averaged over the global batch."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gas = engine.gradient_accumulation_steps()
+    micro = GLOBAL_BATCH // (world * gas)
+    dtype = next(engine.module.parameters()).dtype
+    losses = []
+    for s in range(first_step, first_step + steps):
+        x, y = global_batch(s)
+        total = torch.zeros(1, dtype=torch.float64)
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            out = engine(x[lo : lo + micro].to(dtype))
+            loss = torch.nn.functional.mse_loss(out.float(), y[lo : lo + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().double()
+        dist.all_reduce(total)
+        losses.append(float(total) / (world * gas))
+    return losses
+
+
+def full_state(engine: Any) -> dict[str, Any]:
+    """Every trainable parameter's full fp32 master and Adam moments, gathered with
+    DeepSpeed's own API (collective), by parameter name; plus step and lr. Without
+    ZeRO (stage 0) DeepSpeed's API returns None: the fp32 masters are then the
+    parameters (fp32) or FP16_UnfusedOptimizer's fp32 copies (bf16)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = engine.optimizer
+    topt = getattr(opt, "optimizer", opt)
+    hp_of = {id(p): p for g in topt.param_groups for p in g["params"]}
+    if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
+        hp_of = {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True) for lp, hp in zip(lps, hps, strict=True)}
+    out: dict[str, Any] = {}
+    for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        shape = getattr(p, "ds_shape", p.shape)
+        master = safe_get_full_fp32_param(p)
+        if master is None:
+            hp = hp_of[id(p)]
+            out[f"model/{n}"] = hp.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in topt.state.get(hp, {}):
+                    out[f"optimizer/state/{n}/{k}"] = topt.state[hp][k].clone()
+            continue
+        out[f"model/{n}"] = master.detach().clone().reshape(shape)
+        for k in ("exp_avg", "exp_avg_sq"):
+            v = safe_get_full_optimizer_state(p, k)
+            if v is not None:
+                out[f"optimizer/state/{n}/{k}"] = v.detach().clone().reshape(shape)
+    out["lr"] = [g["lr"] for g in topt.param_groups]
+    out["global_steps"] = engine.global_steps
+    return out

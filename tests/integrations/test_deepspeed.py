@@ -1,0 +1,97 @@
+"""shardpoint.integrations.deepspeed on real DeepSpeed engines (CPU, gloo), real
+ranks: the ZeRO partitions it finds are DeepSpeed's own, and a run saved on 4 ranks
+continues on 2 (accumulation doubled), 3 or 4 as if it had never stopped."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.integrations.ds_common import build_engine, full_state, require_deepspeed, run_ds, train
+
+require_deepspeed()
+
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.timeout(120)]
+
+REL = 1e-4
+
+
+# -- rank functions (module level: the ranks import them) -----------------------------------------
+def _pieces_match(rank: int, world: int, stage: int, bf16: bool) -> int:
+    from shardpoint.integrations.deepspeed import pieces, torch_optimizer
+    from shardpoint.layout import FlatShard
+
+    engine = build_engine(stage, bf16=bf16)
+    train(engine, 0, 2)
+    full = full_state(engine)
+    topt = torch_optimizer(engine)
+    seen = 0
+    for pc in pieces(engine):
+        for name, flat in [("model", pc.key)] + [(k, topt.state[pc.key][k]) for k in ("exp_avg", "exp_avg_sq")]:
+            leaf = pc.view(flat)
+            want = full[f"model/{pc.fqn}" if name == "model" else f"optimizer/state/{pc.fqn}/{name}"].reshape(-1)
+            if isinstance(leaf, FlatShard):
+                assert leaf.local.data_ptr() == flat.view(-1)[pc.offset :].data_ptr()  # a view, not a copy
+                got, want = leaf.local, want[leaf.start : leaf.start + leaf.local.numel()]
+            else:
+                got = leaf.reshape(-1)
+            assert torch.equal(got, want), (pc.fqn, name)
+            seen += 1
+    return seen
+
+
+def _train_save(rank: int, world: int, stage: int, path: str, before: int, after: int, bf16: bool) -> dict:
+    from shardpoint.integrations.deepspeed import save
+
+    engine = build_engine(stage, bf16=bf16)
+    train(engine, 0, before)
+    save(engine, path, client_state={"epoch": 3, "note": "hello"})
+    ref = full_state(engine)
+    return {"full": ref, "losses": train(engine, before, after)}
+
+
+def _load_continue(rank: int, world: int, stage: int, path: str, before: int, after: int, gas: int,
+                   exclude: list[str] | None, bf16: bool) -> dict:
+    from shardpoint.integrations.deepspeed import load
+
+    engine = build_engine(stage, gas=gas, seed=1, bf16=bf16)
+    module, opt, sched = engine.module, engine.optimizer, engine.lr_scheduler
+    client: dict = {}
+    report = load(engine, path, exclude=exclude, client_state=client)
+    assert engine.module is module and engine.optimizer is opt and engine.lr_scheduler is sched
+    full = full_state(engine) if exclude is None else None
+    return {"full": full, "losses": train(engine, before, after), "client": client, "report": report}
+
+
+# -- tests ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (3, False), (0, True), (1, True), (2, True), (3, True)])
+def test_pieces_are_views_of_deepspeeds_own_partitions(stage: int, bf16: bool) -> None:
+    seen = run_ds(_pieces_match, 2, stage, bf16)
+    assert all(n > 0 for n in seen)
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_on_half_the_ranks_with_accumulation_doubled(tmp_path: os.PathLike, stage: int) -> None:
+    path = str(tmp_path / "ck")
+    saved = run_ds(_train_save, 4, stage, path, 2, 3, False)
+    ref = saved[0]
+    got = run_ds(_load_continue, 2, stage, path, 2, 3, 2, None, False)
+    for r in got:
+        for k, v in ref["full"].items():
+            if k.startswith(("model/", "optimizer/")):
+                assert torch.equal(r["full"][k], v), k
+        assert r["full"]["lr"] == ref["full"]["lr"]
+        assert r["full"]["global_steps"] == ref["full"]["global_steps"] == 2
+        assert r["client"] == {"epoch": 3, "note": "hello"}
+        assert r["report"].missing == [] and r["report"].unexpected == []
+    assert _rel(got[0]["losses"], ref["losses"]) <= REL, (got[0]["losses"], ref["losses"])
+    # negative control: the same load without the Adam moments (and step) does not continue the run
+    bad = run_ds(_load_continue, 2, stage, path, 2, 3, 2, ["optimizer/state"], False)
+    assert bad[0]["losses"][0] == pytest.approx(ref["losses"][0], rel=REL)  # same weights: same first loss
+    assert _rel(bad[0]["losses"], ref["losses"]) > REL
