@@ -1,0 +1,371 @@
+"""Import a checkpoint written by DeepSpeed's ``engine.save_checkpoint``.
+
+A DeepSpeed ZeRO checkpoint is one optimizer file per data-parallel rank
+(``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``) holding that rank's flat
+fp32 partition and the Adam moments laid out like it, plus a model-states file with
+the parameter names and shapes in flattening order, the buffers, the LR scheduler
+and the counters. Each old rank's file becomes that rank's state of
+:class:`~shardpoint.layout.FlatShard` leaves (the same partition, now labelled with
+the element range of every parameter it covers) and is written by
+``save_offline`` before the next one is read: peak memory is the largest file.
+
+Files are read with ``torch.load(weights_only=True)`` and an explicit allowlist of
+the classes DeepSpeed puts in them; anything else is refused, naming the class.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointNotFoundError, ShardpointError
+from ..layout import FlatShard
+from ..state import canonical_name
+
+__all__ = ["convert", "rank_states", "inspect", "SAFE_GLOBALS", "DeepSpeedCheckpoint"]
+
+#: Keys of DeepSpeed's model-states file that are DeepSpeed's own; the rest is client state.
+_DS_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "autoep_layers",
+    "ds_autoep_layers", "mp_rank", "iteration",
+}
+
+
+def _safe_globals() -> list[Any]:
+    """The classes DeepSpeed 0.19's ZeRO checkpoints contain besides tensors and
+    builtins: the ZeRO stage enum, the loss scalers and ``fragment_address``."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+SAFE_GLOBALS = [
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+]
+
+
+def load_file(path: str) -> Any:
+    """``torch.load`` one DeepSpeed file: weights only, memory-mapped, allowlisted classes."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        try:
+            bad = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in SAFE_GLOBALS]
+        except Exception:  # noqa: BLE001 - fall back to torch's own message
+            bad = re.findall(r"GLOBAL ([\w.]+)", str(e))
+        raise ShardpointError(
+            f"{path}: refusing to unpickle {', '.join(bad) or 'an object'}: "
+            f"{'it is' if len(bad) == 1 else 'they are'} not among the classes DeepSpeed puts in its checkpoints "
+            f"({', '.join(SAFE_GLOBALS)}), and unpickling an unknown class can run arbitrary code. If you trust "
+            "this file, load it with torch.load(weights_only=False), drop the object, and save it again"
+        ) from None
+
+
+# -- finding the files -----------------------------------------------------------------------------
+@dataclass(slots=True)
+class DeepSpeedCheckpoint:
+    """The files of one DeepSpeed checkpoint tag."""
+
+    folder: str
+    stage: int  # 1/2 (one flat partition per param group) or 3 (per-parameter partitions)
+    world_size: int
+    optim_files: list[str]
+    model_files: list[str]  # one (stage 1/2) or one per rank (stage 3)
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def inspect(src: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedCheckpoint:
+    """Find the files of the checkpoint ``tag`` (default: the one ``src/latest``
+    names; ``src`` may also be the tag folder itself)."""
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint at {src}: not a directory")
+    if tag is not None:
+        folder = os.path.join(src, tag)
+    elif any(f.endswith("_optim_states.pt") for f in os.listdir(src)):
+        folder = src
+    else:
+        latest = os.path.join(src, "latest")
+        if not os.path.exists(latest):
+            raise CheckpointNotFoundError(
+                f"{src} has no 'latest' file and no *_optim_states.pt files; pass tag= (e.g. 'global_step100') "
+                "or the tag folder itself"
+            )
+        with open(latest) as f:
+            folder = os.path.join(src, f.read().strip())
+    if not os.path.isdir(folder):
+        raise CheckpointNotFoundError(f"DeepSpeed checkpoint tag folder {folder} does not exist")
+    names = sorted(os.listdir(folder), key=_natural)
+    optim = [n for n in names if re.fullmatch(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt", n)]
+    if not optim:
+        raise ShardpointError(
+            f"{folder} holds no ZeRO optimizer files (*zero_pp_rank_*_optim_states.pt): it is not a ZeRO stage 1-3 "
+            "checkpoint. For ZeRO stage 0, load it with engine.load_checkpoint and save the engine with "
+            "shardpoint.integrations.deepspeed.save"
+        )
+    if any(not n.endswith("mp_rank_00_optim_states.pt") for n in optim):
+        raise ShardpointError(f"{folder}: model-parallel checkpoints (mp_rank > 0) are not supported")
+    by_rank = {int(re.search(r"zero_pp_rank_(\d+)_", n).group(1)): os.path.join(folder, n) for n in optim}  # type: ignore[union-attr]
+    world = len(by_rank)
+    if sorted(by_rank) != list(range(world)):
+        raise ShardpointError(f"{folder}: optimizer files for ranks {sorted(by_rank)}; expected ranks 0..{world - 1}")
+    z3_models = [n for n in names if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt", n)]
+    if z3_models:
+        stage = 3
+        models = {int(re.search(r"zero_pp_rank_(\d+)_", n).group(1)): os.path.join(folder, n) for n in z3_models}  # type: ignore[union-attr]
+        if sorted(models) != list(range(world)):
+            raise ShardpointError(f"{folder}: ZeRO-3 model-states files for ranks {sorted(models)}; expected 0..{world - 1}")
+        model_files = [models[r] for r in range(world)]
+    else:
+        stage = 2
+        model_files = [os.path.join(folder, "mp_rank_00_model_states.pt")]
+        if not os.path.exists(model_files[0]):
+            raise ShardpointError(f"{folder} has no mp_rank_00_model_states.pt")
+    return DeepSpeedCheckpoint(folder, stage, world, [by_rank[r] for r in range(world)], model_files)
+
+
+# -- one old rank's state ---------------------------------------------------------------------------
+def _numel(shape: Any) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _global_state(model_sd: dict[str, Any], groups: list[dict[str, Any]], group_fqns: list[list[str]]) -> dict[str, Any]:
+    """What rank 0 writes once: param_groups, scheduler, counters, client state."""
+    out: dict[str, Any] = {}
+    if groups:  # an elastic checkpoint keeps no param_groups
+        pgs = []
+        for g, fqns in zip(groups, group_fqns, strict=True):
+            hp = {k: v for k, v in g.items() if k != "params"}
+            hp["params"] = list(fqns)
+            pgs.append(hp)
+        out["optimizer"] = {"param_groups": pgs}
+    if model_sd.get("lr_scheduler") is not None:
+        out["scheduler"] = model_sd["lr_scheduler"]
+    out["engine"] = {
+        "global_steps": int(model_sd.get("global_steps", 0)),
+        "global_samples": int(model_sd.get("global_samples", 0)),
+        "skipped_steps": int(model_sd.get("skipped_steps", 0)),
+    }
+    client = {k: v for k, v in model_sd.items() if k not in _DS_KEYS}
+    if client:
+        out["client"] = client
+    return out
+
+
+def _buffers(model_sd: dict[str, Any]) -> dict[str, Any]:
+    names = set(model_sd.get("buffer_names") or [])
+    return {canonical_name(k): v for k, v in (model_sd.get("module") or {}).items() if k in names}
+
+
+def _base_state(osd: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(per flat group: its optimizer state, per param group: hyperparameters)."""
+    base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    if base is None:
+        raise ShardpointError("a DeepSpeed optimizer file without base_optimizer_state / optimizer_state_dict")
+    if isinstance(base, list):  # elastic_checkpoint: one unpadded state per group, no param_groups
+        return base, []
+    state = base.get("state", {})
+    return [state.get(i, {}) for i in range(len(state))], list(base.get("param_groups", []))
+
+
+def _slices(rank_flat_lo: int, n: int, layout: list[tuple[str, tuple[int, ...], int]]) -> Iterator[tuple[str, tuple[int, ...], int, int, int]]:
+    """For a rank holding elements ``[lo, lo + n)`` of a group's flat vector in which
+    parameter ``fqn`` starts at ``offset``: (fqn, shape, start in the parameter,
+    offset in the rank's partition, numel) of each overlap."""
+    hi = rank_flat_lo + n
+    for fqn, shape, off in layout:
+        numel = _numel(shape)
+        a, b = max(off, rank_flat_lo), min(off + numel, hi)
+        if a < b:
+            yield fqn, shape, a - off, a - rank_flat_lo, b - a
+
+
+def _state_leaves(state: dict[str, Any], flat_numel: int, fqn: str, shape: tuple[int, ...], start: int, pos: int, n: int) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for name, v in state.items():
+        if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat_numel and v.numel() > 0:
+            row[name] = FlatShard(v.narrow(0, pos, n), shape, start)
+        elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (bool, int, float)):
+            row[name] = v
+        else:
+            raise ShardpointError(f"optimizer state {name!r} of {fqn!r} has an unexpected layout ({type(v).__name__})")
+    return row
+
+
+def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], cursor: list[int]) -> dict[str, Any]:
+    """Stage 1/2 (and BF16_Optimizer): rank ``rank`` holds elements
+    ``[cursor[g], cursor[g] + n)`` of group g's unpadded flat vector (ranks' unpadded
+    partitions are consecutive, as zero_to_fp32 concatenates them)."""
+    osd = load_file(ck.optim_files[rank])["optimizer_state_dict"]
+    fp32 = osd["single_partition_of_fp32_groups"]
+    states, groups = _base_state(osd)
+    paddings = osd.get("param_alignment_paddings")
+    model: dict[str, Any] = {}
+    opt_state: dict[str, Any] = {}
+    for g, shapes in enumerate(model_sd["param_shapes"]):
+        layout, off = [], 0
+        for j, (name, shape) in enumerate(shapes.items()):
+            layout.append((canonical_name(name), tuple(int(s) for s in shape), off))
+            off += _numel(shape) + (paddings[g][j] if paddings is not None else 0)
+        flat = fp32[g]
+        for fqn, shape, start, pos, n in _slices(cursor[g], flat.numel(), layout):
+            model[fqn] = FlatShard(flat.narrow(0, pos, n), shape, start)
+            if g < len(states) and states[g]:
+                opt_state[fqn] = _state_leaves(states[g], flat.numel(), fqn, shape, start, pos, n)
+        cursor[g] += flat.numel()
+    out: dict[str, Any] = {"model": model, "optimizer": {"state": opt_state}}
+    if rank == 0:
+        fqns = [[canonical_name(n) for n in shapes] for shapes in model_sd["param_shapes"]]
+        _merge(out, _global_state(model_sd, groups, fqns))
+        for name, t in (model_sd.get("frozen_param_fragments") or {}).items():
+            out["model"][canonical_name(name)] = t
+        out["model"].update(_buffers(model_sd))
+    _shared(out["model"], model_sd)
+    return out
+
+
+def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3: every parameter is partitioned on its own into ``ceil(numel / world)``
+    elements per rank; a rank's flat groups hold its partitions back to back."""
+    world = ck.world_size
+    osd = load_file(ck.optim_files[rank])["optimizer_state_dict"]
+    flats = osd["fp32_flat_groups"]
+    states, groups = _base_state(osd)
+    model: dict[str, Any] = {}
+    opt_state: dict[str, Any] = {}
+    if len(model_sd["param_shapes"]) != len(flats):
+        raise ShardpointError(
+            f"{ck.optim_files[rank]} holds {len(flats)} flat groups but the model states name {len(model_sd['param_shapes'])}; "
+            "the files are not from the same save"
+        )
+    for sg, shapes in enumerate(model_sd["param_shapes"]):  # one per ZeRO-3 sub-group, in flat order
+        pos = 0
+        for name, shape_ in shapes.items():
+            fqn, shape = canonical_name(name), tuple(int(s) for s in shape_)
+            numel = _numel(shape)
+            pn = math.ceil(numel / world)
+            start = rank * pn
+            n = max(0, min(pn, numel - start))
+            if n:
+                model[fqn] = FlatShard(flats[sg].narrow(0, pos, n), shape, start)
+                if sg < len(states) and states[sg]:
+                    opt_state[fqn] = _state_leaves(states[sg], flats[sg].numel(), fqn, shape, start, pos, n)
+            pos += pn
+        if pos != flats[sg].numel():
+            raise ShardpointError(
+                f"{ck.optim_files[rank]}: flat group {sg} holds {flats[sg].numel()} elements, its parameters' "
+                f"partitions {pos}; the file does not match the model states"
+            )
+    for name, frag in (model_sd.get("frozen_param_fragments") or {}).items():
+        shape = tuple(int(s) for s in model_sd["frozen_param_shapes"][name])
+        pn = math.ceil(_numel(shape) / world)
+        n = max(0, min(pn, _numel(shape) - rank * pn))
+        if n:
+            model[canonical_name(name)] = FlatShard(frag.reshape(-1).narrow(0, 0, n), shape, rank * pn)
+    out: dict[str, Any] = {"model": model, "optimizer": {"state": opt_state}}
+    if rank == 0:
+        # param groups list the sub-groups (flat groups) they own, by index
+        fqns: list[list[str]] = [[] for _ in groups]
+        owner = {int(i): gi for gi, g in enumerate(groups) for i in g.get("params", [])}
+        for i, d in enumerate(model_sd["param_shapes"]):
+            fqns[owner.get(i, 0)] += [canonical_name(n) for n in d]
+        _merge(out, _global_state(model_sd, groups, fqns))
+        out["model"].update(_buffers(model_sd))
+    _shared(out["model"], model_sd)
+    return out
+
+
+def _shared(model: dict[str, Any], model_sd: dict[str, Any]) -> None:
+    """Tied weights: DeepSpeed saves one and names the other in ``shared_params``."""
+    for alias, source in (model_sd.get("shared_params") or {}).items():
+        if canonical_name(source) in model:
+            model[canonical_name(alias)] = model[canonical_name(source)]
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def rank_states(ck: DeepSpeedCheckpoint, progress: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(rank, state)`` for each old rank, reading one rank's files at a time."""
+    bar = _Progress(ck.world_size, f"importing {ck.folder}") if progress else None
+    cursor: list[int] = []
+    model0: dict[str, Any] | None = None
+    for rank in range(ck.world_size):
+        if ck.stage == 3:
+            model_sd = load_file(ck.model_files[rank])
+            state = _zero3_rank(ck, rank, model_sd)
+        else:
+            if model0 is None:
+                model0 = load_file(ck.model_files[0])
+                cursor = [0] * len(model0["param_shapes"])
+            model_sd = model0
+            state = _zero12_rank(ck, rank, model_sd, cursor)
+        if model_sd.get("mp_world_size", 1) not in (1, None):
+            raise ShardpointError(f"{ck.folder}: model-parallel checkpoints (mp_world_size > 1) are not supported")
+        yield rank, state
+        del state, model_sd
+        if bar is not None:
+            bar.step()
+    if bar is not None:
+        bar.done()
+
+
+class _Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.n, self.what, self.t0 = total, 0, what, time.monotonic()
+        self._draw()
+
+    def _draw(self) -> None:
+        width = 30
+        fill = width * self.n // max(self.total, 1)
+        sys.stderr.write(f"\r{self.what}: [{'#' * fill}{' ' * (width - fill)}] rank {self.n}/{self.total} "
+                         f"{time.monotonic() - self.t0:.1f}s")
+        sys.stderr.flush()
+
+    def step(self) -> None:
+        self.n += 1
+        self._draw()
+
+    def done(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, tag: str | None = None,
+            progress: bool = True, overwrite: bool = False, storage_options: dict[str, Any] | None = None) -> None:
+    """Convert the DeepSpeed checkpoint at ``src`` (its ``latest`` tag, or ``tag``)
+    into a shardpoint checkpoint at ``dst``, as if the ``N`` ranks that wrote it had
+    called :func:`shardpoint.integrations.deepspeed.save`. One process, no process
+    group; one DeepSpeed rank's files in memory at a time (memory-mapped)."""
+    from ..api import save_offline
+
+    ck = inspect(src, tag)
+    save_offline(rank_states(ck, progress), dst, world_size=ck.world_size, overwrite=overwrite, storage_options=storage_options)
