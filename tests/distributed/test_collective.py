@@ -5,6 +5,7 @@ next correct save on all ranks works (the per-call sequence stays in step)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -50,8 +51,6 @@ def absent_case(rank: int, world: int, callers: list[int], tmp: str) -> dict:
         with pytest.raises(CollectiveMismatchError) as ei:
             shardpoint.save(state(rank), path, timeout=LONG)  # late: the call was already abandoned
     failed_after = time.monotonic() - t0
-    import os
-
     leftovers = os.listdir(path) if os.path.isdir(path) else []
     check_next_save_works(rank, f"{tmp}/next")
     return {"ranks": ei.value.ranks, "msg": str(ei.value), "failed_after": failed_after, "leftovers": leftovers}
@@ -107,8 +106,6 @@ def paths_case(rank: int, world: int, tmp: str) -> dict:
         else:
             shardpoint.save(state(rank), f"{tmp}/a", timeout=LONG)
     check_next_save_works(rank, f"{tmp}/next")
-    import os
-
     return {"ranks": ei.value.ranks, "msg": str(ei.value), "ranks2": ei2.value.ranks, "msg2": str(ei2.value),
             "a": os.path.exists(f"{tmp}/a/manifest.json"), "b": os.path.exists(f"{tmp}/b/manifest.json")}
 
