@@ -19,11 +19,15 @@ REL = 1e-4
 
 
 # -- rank functions (module level: the ranks import them) -----------------------------------------
-def _pieces_match(rank: int, world: int, stage: int, bf16: bool) -> int:
+BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}  # ZeRO-1 + bf16 + fp32 grads: DeepSpeed's BF16_Optimizer
+
+
+def _pieces_match(rank: int, world: int, stage: int, bf16: bool, extra: dict | None = None) -> int:
     from shardpoint.integrations.deepspeed import pieces, torch_optimizer
     from shardpoint.layout import FlatShard
 
-    engine = build_engine(stage, bf16=bf16)
+    engine = build_engine(stage, bf16=bf16, extra=extra)
+    assert type(engine.optimizer).__name__ == ("BF16_Optimizer" if extra else type(engine.optimizer).__name__)
     train(engine, 0, 2)
     full = full_state(engine)
     topt = torch_optimizer(engine)
@@ -66,9 +70,15 @@ def _load_continue(rank: int, world: int, stage: int, path: str, before: int, af
 
 
 # -- tests ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (3, False), (0, True), (1, True), (2, True), (3, True)])
-def test_pieces_are_views_of_deepspeeds_own_partitions(stage: int, bf16: bool) -> None:
-    seen = run_ds(_pieces_match, 2, stage, bf16)
+@pytest.mark.parametrize(
+    "stage,bf16,extra",
+    [(0, False, None), (1, False, None), (2, False, None), (3, False, None),
+     (0, True, None), (1, True, BF16_OPTIMIZER), (2, True, None), (3, True, None)],
+)
+def test_pieces_are_views_of_deepspeeds_own_partitions(stage: int, bf16: bool, extra: dict | None) -> None:
+    """Each rank's FlatShard of every master weight and Adam moment equals that range
+    of what DeepSpeed's safe_get_full_* API gathers, and aliases DeepSpeed's buffer."""
+    seen = run_ds(_pieces_match, 3, stage, bf16, extra)
     assert all(n > 0 for n in seen)
 
 
@@ -95,3 +105,58 @@ def test_resume_on_half_the_ranks_with_accumulation_doubled(tmp_path: os.PathLik
     bad = run_ds(_load_continue, 2, stage, path, 2, 3, 2, ["optimizer/state"], False)
     assert bad[0]["losses"][0] == pytest.approx(ref["losses"][0], rel=REL)  # same weights: same first loss
     assert _rel(bad[0]["losses"], ref["losses"]) > REL
+
+
+@pytest.mark.parametrize("stage,before,after", [(0, 2, 4), (2, 4, 3), (3, 2, 4), (1, 3, 2)])
+def test_resume_on_other_world_sizes(tmp_path: os.PathLike, stage: int, before: int, after: int) -> None:
+    path = str(tmp_path / "ck")
+    ref = run_ds(_train_save, before, stage, path, 2, 2, False)[0]
+    got = run_ds(_load_continue, after, stage, path, 2, 2, 1, None, False)[0]
+    for k, v in ref["full"].items():
+        if k.startswith(("model/", "optimizer/")):
+            assert torch.equal(got["full"][k], v), k
+    assert _rel(got["losses"], ref["losses"]) <= REL, (got["losses"], ref["losses"])
+
+
+def _bf16_check(rank: int, world: int, path: str) -> dict:
+    from shardpoint.integrations.deepspeed import load
+
+    engine = build_engine(2, bf16=True, seed=1)
+    load(engine, path)
+    full = full_state(engine)
+    for n, p in engine.module.named_parameters():  # the bf16 weights were refreshed from the fp32 masters
+        assert torch.equal(p.detach(), full[f"model/{n}"].to(torch.bfloat16)), n
+    return full
+
+
+def test_bf16_zero3_to_zero2_restores_masters_moments_and_weights(tmp_path: os.PathLike) -> None:
+    path = str(tmp_path / "ck")
+    ref = run_ds(_train_save, 2, 3, path, 2, 0, True)[0]
+    got = run_ds(_bf16_check, 3, path)[0]
+    for k, v in ref["full"].items():
+        if k.startswith(("model/", "optimizer/")):
+            assert torch.equal(got[k], v), k
+
+
+def _train_state_continue(rank: int, world: int, path: str, save: bool) -> list[float]:
+    import shardpoint
+
+    engine = build_engine(2, seed=0 if save else 1, gas=1 if save else 2)
+    state = shardpoint.TrainState(model=engine, scheduler=engine.lr_scheduler)
+    if save:
+        train(engine, 0, 2)
+        shardpoint.save(state, path)
+    else:
+        shardpoint.load(state, path)
+    return train(engine, 2, 2)
+
+
+@pytest.mark.xfail(
+    not hasattr(__import__("shardpoint").TrainState, "_shardpoint_loaded"), strict=True,
+    reason="TrainState needs the core's post-load hook to refresh ZeRO weights (docs/_requests_deepspeed.md item 1)",
+)
+def test_train_state_with_an_engine_resumes_on_half_the_ranks(tmp_path: os.PathLike) -> None:
+    path = str(tmp_path / "ck")
+    ref = run_ds(_train_state_continue, 4, path, True)[0]
+    got = run_ds(_train_state_continue, 2, path, False)[0]
+    assert _rel(got, ref) <= REL, (got, ref)
