@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 
@@ -18,6 +19,26 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _open_regular(path: str) -> int:
+    """Open ``path`` for reading, refusing anything but a regular file: a FIFO (or
+    a symlink to one) would block the open forever, a device would be read."""
+    try:
+        # O_NONBLOCK: opening a FIFO with no writer returns at once instead of blocking
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"data file {path} is missing; the checkpoint is incomplete (restore the file or use another checkpoint)"
+        ) from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"data file {path} cannot be opened ({e.strerror}); the checkpoint is damaged") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{path} is not a regular file (a FIFO, device or directory); refusing to read it as checkpoint data"
+        )
+    return fd
 
 
 class LocalStorage(Storage):
@@ -80,12 +101,7 @@ class LocalStorage(Storage):
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         path = self._path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"data file {path} is missing; the checkpoint is incomplete (restore the file or use another checkpoint)"
-            ) from None
+        fd = _open_regular(path)
         try:
             size = os.fstat(fd).st_size
             if length is None:
@@ -109,12 +125,7 @@ class LocalStorage(Storage):
 
     def read_into(self, name: str, offset: int, buf: memoryview) -> None:
         path = self._path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"data file {path} is missing; the checkpoint is incomplete (restore the file or use another checkpoint)"
-            ) from None
+        fd = _open_regular(path)
         try:
             got, length = 0, len(buf)
             while got < length:
