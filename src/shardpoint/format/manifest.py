@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -24,6 +26,15 @@ MANIFEST_NAME = "manifest.json"
 CONTAINER_TYPES = ("dict", "list", "tuple")
 _MAX_DIMS = 64
 _MAX_NUMEL = 1 << 50
+#: Longest integer key segment: far below Python's int/str conversion limit (at least 640 digits).
+_MAX_INT_DIGITS = 600
+_INT_SEG = re.compile(r"^-?[0-9]+$")
+#: dtypes that ``Tensor.numpy()`` cannot represent, so an entry marked ``numpy`` never has them.
+_NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def encode_value(v: Any) -> list[Any]:
@@ -117,7 +128,8 @@ class Manifest:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
 
         try:
-            doc = json.loads(data)
+            # the writer emits strict UTF-8 JSON: no other encoding, no NaN/Infinity literals
+            doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
             raise bad(f"not valid JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -149,6 +161,10 @@ class Manifest:
         created = doc.get("created", 0.0)
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise bad("'created' is not a number")
+        try:
+            datetime.fromtimestamp(created, tz=timezone.utc)
+        except (OverflowError, ValueError, OSError):
+            raise bad(f"'created' ({created!r}) is not a time") from None
         tree = _parse_tree(doc, files, block, bad, ws, depth=0)
         return cls(
             world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
@@ -160,7 +176,7 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
 
 
-def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int) -> Tree:
+def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int, under: str | None = None) -> Tree:
     if not isinstance(doc, dict):
         raise bad("a tree is not an object")
     containers, entries = doc.get("containers"), doc.get("entries")
@@ -169,6 +185,7 @@ def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int
     for k, v in containers.items():
         if v not in CONTAINER_TYPES:
             raise bad(f"container {k!r} has unknown type {v!r}")
+    _check_keys(containers, entries, bad, under)
     for key, e in entries.items():
         if not isinstance(e, dict):
             raise bad(f"entry {key!r} is not an object")
@@ -182,9 +199,9 @@ def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int
             if not isinstance(ranks, dict):
                 raise bad(f"entry {key!r}: 'ranks' is not an object")
             for r, sub in ranks.items():
-                if not r.isdigit() or int(r) >= ws:
+                if not (r.isascii() and r.isdigit() and len(r) <= 9) or int(r) >= ws:
                     raise bad(f"entry {key!r}: rank {r!r} is not a rank of the saving job")
-                _parse_tree(sub, files, block, bad, ws, depth + 1)
+                _parse_tree(sub, files, block, bad, ws, depth + 1, under=key)
         else:
             raise bad(f"entry {key!r} has unknown kind {kind!r}")
     return Tree(containers=containers, entries=entries)
@@ -192,8 +209,10 @@ def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int
 
 def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any) -> None:
     dtype, shape, chunks = e.get("dtype"), e.get("shape"), e.get("chunks")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
+    if "numpy" in e and (not isinstance(e["numpy"], bool) or (e["numpy"] and dtype in _NOT_NUMPY)):
+        raise bad(f"entry {key!r}: 'numpy' must be true or false, and numpy has no {dtype}")
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
         raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
     numel = math.prod(shape)
@@ -226,3 +245,27 @@ def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any) -> None:
         covered += math.prod(size)
     if covered != numel:
         raise bad(f"entry {key!r}: chunks cover {covered} elements, the shape {shape} has {numel}")
+
+
+def _check_keys(containers: dict, entries: dict, bad: Any, under: str | None) -> None:
+    """The keys form a tree a save could have written: no leaf has children or is
+    also a container, list and tuple children are indexed by integers, integer
+    segments are of sane length, and a per-rank value's keys lie under its own key
+    (``under``)."""
+    leaves = set(entries)
+    for k in leaves & set(containers):
+        raise bad(f"key {k!r} is both a leaf and a container")
+    for k in list(containers) + list(entries):
+        segs = k.split("/") if k else []
+        for seg in segs:
+            if len(seg) > _MAX_INT_DIGITS and _INT_SEG.match(seg):
+                raise bad(f"key {k[:80]!r}...: an integer segment of {len(seg)} digits")
+        if under is not None and under != "" and k != under and not k.startswith(under + "/"):
+            raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
+        for i in range(len(segs)):
+            parent = "/".join(segs[:i])
+            if parent in leaves and (i > 0 or parent == "" and k != ""):
+                raise bad(f"key {k!r} lies under the leaf {parent!r}")
+            if containers.get(parent) in ("list", "tuple") and (i < len(segs)) and not (
+                    segs[i].isascii() and segs[i].isdigit()):
+                raise bad(f"key {k!r}: a {containers[parent]} is indexed by {segs[i]!r}, not by an integer")
