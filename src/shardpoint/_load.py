@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, ShardpointError
 from .format.datafile import dtype_from_name
 from .format.manifest import MANIFEST_NAME, Manifest, Tree, decode_value
 from .layout import chunks_of
@@ -416,9 +416,39 @@ def leaf_value(key: str, e: dict[str, Any], reader: Reader) -> Any:
     if e["kind"] != "tensor":
         raise CorruptCheckpointError(f"entry {key!r}: a {e['kind']!r} entry cannot appear here")
     shape = tuple(e["shape"])
-    t = torch.empty(shape, dtype=dtype_from_name(e["dtype"]))
+    t = _allocate(key, e, shape, reader.storage)
     reader.add(key, e, [Box((0,) * len(shape), shape)], [t])
     return t.numpy() if e.get("numpy") else t
+
+
+#: Tensors at least this large are allocated only after their files are seen to hold their bytes.
+_CHECK_BEFORE_ALLOC = 64 << 20
+
+
+def _allocate(key: str, e: dict[str, Any], shape: tuple[int, ...], storage: Storage) -> torch.Tensor:
+    """An empty tensor for a saved leaf. A manifest's shape is only a claim: for a
+    large tensor, first check that its files really hold its bytes, so a damaged or
+    hostile manifest cannot ask for a petabyte."""
+    dtype = dtype_from_name(e["dtype"])
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if nbytes >= _CHECK_BEFORE_ALLOC:
+        for c in e["chunks"]:
+            try:
+                size = storage.size(c["file"])
+            except (OSError, CorruptCheckpointError) as err:
+                raise CorruptCheckpointError(f"key {key!r}: data file {c['file']} cannot be read ({err})") from None
+            if c["offset"] + c["length"] > size:
+                raise CorruptCheckpointError(
+                    f"key {key!r}: the manifest places its bytes up to byte {c['offset'] + c['length']} of {c['file']}, "
+                    f"which has {size}; the file is truncated or the manifest is damaged"
+                )
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as err:
+        raise ShardpointError(
+            f"key {key!r}: cannot allocate a {e['dtype']} tensor of shape {list(shape)} ({nbytes} bytes) to load it into "
+            f"({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
+        ) from None
 
 
 def load_per_rank(key: str, node_walk: Walk, entry: dict[str, Any], rank: int,
