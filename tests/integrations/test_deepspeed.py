@@ -160,3 +160,37 @@ def test_train_state_with_an_engine_resumes_on_half_the_ranks(tmp_path: os.PathL
     ref = run_ds(_train_state_continue, 4, path, True)[0]
     got = run_ds(_train_state_continue, 2, path, False)[0]
     assert _rel(got, ref) <= REL, (got, ref)
+
+
+def _plain_to_ds(rank: int, world: int, path: str) -> dict:
+    from shardpoint.integrations.deepspeed import load
+
+    engine = build_engine(2, seed=1, scheduler=False, extra={"gradient_clipping": 0.0})
+    report = load(engine, path, strict=False)
+    return {"missing": report.missing, "losses": train(engine, 2, 2)}
+
+
+def test_plain_pytorch_checkpoint_resumes_in_a_deepspeed_engine(tmp_path: os.PathLike) -> None:
+    """TrainState(model, AdamW) saved by one plain process continues under ZeRO-2 on 2 ranks."""
+    import shardpoint
+    from tests.integrations.ds_common import global_batch, tiny_model
+
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.05)
+
+    def step(s: int) -> float:
+        x, y = global_batch(s)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    for s in range(2):
+        step(s)
+    path = str(tmp_path / "plain")
+    shardpoint.save(shardpoint.TrainState(model=model, optimizer=opt, rng=False), path)
+    ref = [step(s) for s in (2, 3)]
+    got = run_ds(_plain_to_ds, 2, path)[0]
+    assert got["missing"] == ["engine/global_samples", "engine/global_steps", "engine/skipped_steps"]
+    assert _rel(got["losses"], ref) <= REL, (got["losses"], ref)
