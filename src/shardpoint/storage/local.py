@@ -21,6 +21,20 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _named(e: BaseException, path: str) -> BaseException:
+    """``e`` with the file it concerns: ``os.write`` reports ENOSPC without a name."""
+    if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+        return type(e)(e.errno, e.strerror, path)
+    return e
+
+
 def _open_regular(path: str) -> int:
     """Open ``path`` for reading, refusing anything but a regular file: a FIFO (or
     a symlink to one) would block the open forever, a device would be read."""
@@ -74,8 +88,11 @@ class LocalStorage(Storage):
                     view = view[n:]
                     total += n
             os.fsync(fd)
-        finally:
+        except BaseException as e:
             os.close(fd)
+            _unlink_quietly(path)  # a partial file only takes space (a full disk stays full)
+            raise _named(e, path) from None
+        os.close(fd)
         _fsync_dir(os.path.dirname(path))
         return total
 
@@ -90,8 +107,11 @@ class LocalStorage(Storage):
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
-        finally:
+        except BaseException as e:
             os.close(fd)
+            _unlink_quietly(tmp)
+            raise _named(e, path) from None
+        os.close(fd)
         try:
             os.replace(tmp, path)
         except BaseException:
