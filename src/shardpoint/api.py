@@ -182,7 +182,7 @@ def _set_per_rank_value(node: Any, key: str, sub: Any, value: Any) -> bool:
     return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, key, sub, value)
 
 
-def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> Any:
     """Read a checkpoint in one process, no process group needed: the nested state
     with full CPU tensors (numpy arrays where numpy arrays were saved). A per-rank
     value comes back as ``{rank: value}``. ``keys`` limits it to key prefixes."""
@@ -204,8 +204,7 @@ def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bo
             return val
         root.put(path_, val)
     reader.run()
-    out = root.build()
-    return out if isinstance(out, dict) else {"": out}
+    return root.build()
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,7 @@ class TrainState:
         self.extra: dict[str, Any] = dict(extra)
         self._load_names: dict[str, str] | None = None  # local fqn -> checkpoint fqn, during a load
         self._created: list[str] = []
+        self._no_saved_rng = False  # during a load from a checkpoint saved without RNG streams
 
     # -- the model -----------------------------------------------------------------
     def _integration(self) -> Any:
@@ -245,7 +246,7 @@ class TrainState:
             out["grad_scaler"] = self.grad_scaler
         if self.data is not None:
             out["data"] = self.data if getattr(self.data, "shardpoint_global_state", False) else PerRank(self.data)
-        if self.rng is not False:
+        if self.rng is not False and not self._no_saved_rng:
             out["rng"] = {"base_seed": self._base_seed(), "streams": PerRank(self._rng_streams())}
         if self.extra:
             out["extra"] = {k: v for k, v in self.extra.items()}
@@ -273,11 +274,14 @@ class TrainState:
     def _shardpoint_prepare_load(self, entries: dict[str, Any], select: Callable[[str], bool]) -> None:
         self._created = []
         self._load_names = None
+        # a checkpoint saved without RNG streams (rng=False, or converted from DeepSpeed)
+        # leaves this rank's streams alone instead of failing a strict load
+        self._no_saved_rng = not any(k == "rng" or k.startswith("rng/") for k in entries)
         if self.key_map is not None:
             self._load_names = self._map_names(entries)
         ds = self._integration()
         if ds is not None:
-            ds.prepare_train_state(self.model, entries, select)
+            self._created += ds.prepare_train_state(self.model, entries, select) or []
         elif self.optimizer is not None:
             self._prepare_optimizer(entries, select)
 
@@ -300,6 +304,11 @@ class TrainState:
         report.created = sorted(set(report.created) | set(created))
         self._created = []
         self._load_names = None
+        if self._no_saved_rng:
+            self._no_saved_rng = False
+            if self.rng is not False:
+                report.per_rank["rng/streams"] = "not in checkpoint"
+            return
         if self.rng is False:
             return
         if report.per_rank.get("rng/streams") == "kept":
