@@ -65,6 +65,9 @@ def _load_continue(rank: int, world: int, stage: int, path: str, before: int, af
     client: dict = {}
     report = load(engine, path, exclude=exclude, client_state=client)
     assert engine.module is module and engine.optimizer is opt and engine.lr_scheduler is sched
+    if exclude is None:  # a never-stepped engine: its Adam state was created, then filled
+        assert [k for k in report.created if k.startswith("optimizer/state/")] and report.unexpected == []
+        assert not [k for k in report.loaded if k.startswith("optimizer/state/")]
     full = full_state(engine) if exclude is None else None
     return {"full": full, "losses": train(engine, before, after), "client": client, "report": report}
 

@@ -22,7 +22,7 @@ DeepSpeed is imported lazily: importing this module never imports deepspeed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -83,11 +83,11 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
 
 def _kind(engine: Any) -> str:
     opt = engine.optimizer
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # type: ignore[import-untyped]
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer  # type: ignore[import-untyped]
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # type: ignore[import-untyped]
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # type: ignore[import-untyped]
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # type: ignore[import-untyped]
 
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         if getattr(opt, "swap_optimizer", False):
@@ -180,7 +180,7 @@ def _group_fqns(engine: Any) -> list[list[str]]:
     return [[names[id(p)] for p in ps] for ps in groups]
 
 
-def _zero3_frozen(engine: Any, p: torch.Tensor) -> FlatShard | None:
+def _zero3_frozen(engine: Any, p: Any) -> FlatShard | None:
     """A frozen ZeRO-3 parameter: this rank's partition, in the module's dtype."""
     opt = engine.optimizer
     pnumel = int(p.partition_numel())
@@ -403,21 +403,24 @@ class EngineState:
         self._created = prepare_train_state(self.engine, entries, select)
 
     def _shardpoint_after_load(self, report: LoadReport, rank: int) -> None:
-        after_load_report(report, self._created)
+        homes = {"client"} if self.client_state is not None else set()
+        if self.engine.lr_scheduler is not None:
+            homes.add("scheduler")
+        after_load_report(report, self._created, homes)
         self._created = []
 
 
-def after_load_report(report: LoadReport, created: list[str]) -> None:
+def after_load_report(report: LoadReport, created: list[str], homes: Collection[str] = ("scheduler", "client")) -> None:
     """Optimizer state created by :func:`prepare_train_state` and then loaded is
-    reported as ``created``; keys the core created in the transient dicts of the
-    engine's state (a parameter this engine does not have) as ``unexpected``."""
+    reported as ``created``. Keys the core created in the engine state's transient
+    dicts (a parameter this engine does not have, client state nobody asked for) went
+    nowhere: they are reported as ``unexpected``. ``homes`` are the top-level parts
+    where created keys do land (the scheduler's state dict, the caller's client dict)."""
     mine = set(created)
     report.loaded = [k for k in report.loaded if k not in mine]
-    report.created = sorted(set(report.created) | mine)
-    stray = [k for k in report.created if k not in mine and k.split("/", 1)[0] in ("model", "optimizer", "engine")]
-    if stray:
-        report.created = [k for k in report.created if k not in set(stray)]
-        report.unexpected = sorted(set(report.unexpected) | set(stray))
+    stray = {k for k in report.created if k not in mine and k.split("/", 1)[0] not in homes}
+    report.created = sorted((set(report.created) - stray) | mine)
+    report.unexpected = sorted(set(report.unexpected) | stray)
 
 
 # -- the public API ----------------------------------------------------------------------------

@@ -10,18 +10,20 @@ the element range of every parameter it covers) and is written by
 ``save_offline`` before the next one is read: peak memory is the largest file.
 
 Files are read with ``torch.load(weights_only=True)`` and an explicit allowlist of
-the classes DeepSpeed puts in them; anything else is refused, naming the class.
+the four classes DeepSpeed puts in them (unpickled as local stand-ins, so DeepSpeed
+need not be installed); anything else is refused, naming the class.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import pickle
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,28 +45,47 @@ _DS_KEYS = {
 }
 
 
-def _safe_globals() -> list[Any]:
-    """The classes DeepSpeed 0.19's ZeRO checkpoints contain besides tensors and
-    builtins: the ZeRO stage enum, the loss scalers and ``fragment_address``."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+class ZeroStageEnum(int, enum.Enum):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum``."""
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
 
 
-SAFE_GLOBALS = [
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
+class LossScaler:
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` (its fields land in ``__dict__``)."""
+
+
+class DynamicLossScaler(LossScaler):
+    """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``."""
+
+
+@dataclass  # no slots: the unpickler fills __dict__
+class fragment_address:  # noqa: N801 - DeepSpeed's name
+    """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address``."""
+
+    numel: int
+    start: int
+
+
+#: The classes DeepSpeed 0.19's ZeRO checkpoints contain besides tensors and builtins,
+#: each mapped to a local stand-in: reading a checkpoint never imports (or runs)
+#: DeepSpeed code, and works where DeepSpeed is not installed.
+_STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (fragment_address, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]
+SAFE_GLOBALS = [entry[1] for entry in _STAND_INS if isinstance(entry, tuple)]
 
 
 def load_file(path: str) -> Any:
     """``torch.load`` one DeepSpeed file: weights only, memory-mapped, allowlisted classes."""
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(_STAND_INS):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         try:
