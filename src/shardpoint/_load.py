@@ -17,7 +17,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatch
 from .format.datafile import dtype_from_name
 from .format.manifest import MANIFEST_NAME, Manifest, Tree, decode_value
 from .layout import chunks_of
-from .plan import Box, PlanError, plan_reads, validate_partition
+from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
 from .report import LoadReport
 from .storage import Storage
 from .tree import Node, PerRank, Walk, decode_key, join, matches_prefix
@@ -94,8 +94,9 @@ class Reader:
             dst = t.views[op.target]
             if tbox.sizes:
                 dst = dst[tuple(slice(r - o, r - o + n) for r, o, n in zip(op.region.offsets, tbox.offsets, op.region.sizes))]
-            if op.region == sbox and dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel():
-                return self._read_whole_into(t.key, chunk, dst)
+            if dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel():
+                if box_runs(op.region, sbox)[3] == 1:  # one contiguous byte range on both sides
+                    return self._read_range_into(t.key, chunk, op.first * itemsize, op.last * itemsize, dst)
             lo, hi = op.first * itemsize, op.last * itemsize
             if self.verify:
                 blk = self.crc_block
@@ -132,23 +133,35 @@ class Reader:
 
         return run
 
-    def _read_whole_into(self, key: str, chunk: dict[str, Any], dst: torch.Tensor) -> int:
-        """A whole saved chunk into a contiguous CPU target of the same dtype: read
-        straight into the target's memory and verify it there (no staging copy)."""
+    def _read_range_into(self, key: str, chunk: dict[str, Any], lo: int, hi: int, dst: torch.Tensor) -> int:
+        """Bytes ``[lo, hi)`` of a saved chunk straight into a contiguous CPU target of
+        the same dtype, with no staging copy. To verify, the partial CRC blocks at the
+        two ends are completed with small reads of their outer bytes (CRC-32 chains);
+        returns the bytes read."""
         view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        base = chunk["offset"]
         try:
-            self.storage.read_into(chunk["file"], chunk["offset"], view)
+            self.storage.read_into(chunk["file"], base + lo, view)
+            if not self.verify:
+                return len(view)
+            blk, length = self.crc_block, chunk["length"]
+            a, b = (lo // blk) * blk, min(-(-hi // blk) * blk, length)
+            head = self.storage.read(chunk["file"], base + a, lo - a) if lo > a else b""
+            tail = self.storage.read(chunk["file"], base + hi, b - hi) if b > hi else b""
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
             raise CorruptCheckpointError(f"key {key!r}: {e}") from None
-        if self.verify:
-            blk = self.crc_block
-            for j, i in enumerate(range(0, len(view), blk)):
-                if zlib.crc32(view[i : i + blk]) != chunk["crc32"][j]:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + i}..{chunk['offset'] + i + len(view[i : i + blk])}) "
-                        f"for key {key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
-                    )
-        return len(view)
+        for j in range(a // blk, -(-b // blk)):
+            s, e = j * blk, min((j + 1) * blk, length)
+            crc = zlib.crc32(head[s - a :]) if s < lo else 0
+            crc = zlib.crc32(view[max(s, lo) - lo : min(e, hi) - lo], crc)
+            if e > hi:
+                crc = zlib.crc32(tail[: e - hi], crc)
+            if crc != chunk["crc32"][j]:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {chunk['file']} (bytes {base + s}..{base + e}) for key {key!r}: the file is "
+                    "damaged. Restore it from a copy, or load another checkpoint"
+                )
+        return len(view) + len(head) + len(tail)
 
 
 def _validate_saved(key: str, boxes: list[Box], shape: tuple[int, ...]) -> None:
