@@ -91,7 +91,7 @@ class Reader:
     def _job(self, t: _Target, op: Any, sbox: Box, chunk: dict[str, Any], dtype: torch.dtype, itemsize: int) -> Callable[[], int]:
         def run() -> int:
             tbox = t.boxes[op.target]
-            dst = t.views[op.target]
+            dst = t.views[op.target].detach()  # a parameter may require grad; we write its data
             if tbox.sizes:
                 dst = dst[tuple(slice(r - o, r - o + n) for r, o, n in zip(op.region.offsets, tbox.offsets, op.region.sizes))]
             if dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel():

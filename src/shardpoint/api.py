@@ -161,6 +161,9 @@ def load(
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, None, err)
+    loaded = getattr(state, "_shardpoint_loaded", None)
+    if loaded is not None:  # collective follow-up (DeepSpeed refreshes its low-precision weights), only on success
+        loaded()
     return report.sort()
 
 

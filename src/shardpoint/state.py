@@ -285,6 +285,11 @@ class TrainState:
         elif self.optimizer is not None:
             self._prepare_optimizer(entries, select)
 
+    def _shardpoint_loaded(self) -> None:
+        ds = self._integration()
+        if ds is not None:
+            ds.finish_load(self.model)
+
     def _map_names(self, entries: dict[str, Any]) -> dict[str, str]:
         """local fqn -> checkpoint fqn, from ``key_map`` (checkpoint name -> local name)."""
         km = self.key_map

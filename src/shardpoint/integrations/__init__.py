@@ -1,0 +1,2 @@
+"""Integrations with training frameworks. Each imports its framework lazily, on
+first use: ``shardpoint.integrations.deepspeed``."""
