@@ -14,8 +14,8 @@ from .errors import (  # noqa: E402
     KeyMismatchError,
     ShardpointError,
 )
-from .report import LoadReport  # noqa: E402
 from .manager import CheckpointInfo, CheckpointManager  # noqa: E402
+from .report import LoadReport  # noqa: E402
 from .state import TrainState  # noqa: E402
 from .tree import PerRank  # noqa: E402
 

@@ -13,10 +13,10 @@ phase raises on every rank and leaves no manifest.
 from __future__ import annotations
 
 import contextvars
-from itertools import chain
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np

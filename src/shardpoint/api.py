@@ -10,7 +10,17 @@ from typing import Any
 
 import torch
 
-from ._load import Reader, TreeLoad, _Pending, _Selector, hollow_containers, leaf_value, load_per_rank, materialise_tree, read_manifest
+from ._load import (
+    Reader,
+    TreeLoad,
+    _Pending,
+    _Selector,
+    hollow_containers,
+    leaf_value,
+    load_per_rank,
+    materialise_tree,
+    read_manifest,
+)
 from ._save import _Local, after_commit_hook, describe, save_collective
 from .collective import Comm, agree
 from .format.datafile import dtype_from_name

@@ -172,21 +172,7 @@ class TrainState:
         saved_groups = sd.get("param_groups")
         rows = self._param_fqns()
         if saved_groups is not None:
-            if len(saved_groups) != len(rows):
-                raise KeyMismatchError(
-                    f"optimizer: the checkpoint has {len(saved_groups)} param_groups, this optimizer has {len(rows)}; "
-                    "build the optimizer with the same groups, or exclude=['optimizer']"
-                )
-            for i, (g, saved, row) in enumerate(zip(opt.param_groups, saved_groups, rows)):
-                want = [self._ckpt_name(f) for f, _ in row]
-                if list(saved.get("params", want)) != want:
-                    raise KeyMismatchError(
-                        f"optimizer param_groups[{i}] holds {want[:5]}... here but {list(saved['params'])[:5]}... in the "
-                        "checkpoint; the groups must hold the same parameters in the same order"
-                    )
-                for k, v in saved.items():
-                    if k != "params":
-                        g[k] = v
+            apply_param_groups(opt.param_groups, saved_groups, [[self._ckpt_name(f) for f, _ in row] for row in rows])
         saved_state = sd.get("state") or {}
         for row in rows:
             for fqn, p in row:
@@ -322,6 +308,26 @@ class TrainState:
             np.random.seed(seed % (1 << 32))
             torch.manual_seed(seed)
             report.per_rank["rng/streams"] = "derived"
+
+
+def apply_param_groups(groups: list[dict[str, Any]], saved: list[Mapping[str, Any]], fqns: list[list[str]]) -> None:
+    """Set the saved hyperparameters of each param group, after checking that the
+    groups hold the same parameters (by name, in order); raises KeyMismatchError
+    naming the first group that differs."""
+    if len(saved) != len(groups):
+        raise KeyMismatchError(
+            f"optimizer: the checkpoint has {len(saved)} param_groups, this optimizer has {len(groups)}; "
+            "build the optimizer with the same groups, or exclude=['optimizer']"
+        )
+    for i, (sg, want) in enumerate(zip(saved, fqns)):
+        got = list(sg.get("params", want))
+        if got != want:
+            raise KeyMismatchError(
+                f"optimizer param_groups[{i}] holds {want[:5]}... here but {got[:5]}... in the checkpoint; "
+                "the groups must hold the same parameters in the same order"
+            )
+    for g, sg in zip(groups, saved):
+        g.update({k: v for k, v in sg.items() if k != "params"})
 
 
 def _esc(fqn: str) -> str:

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from ..errors import KeyMismatchError, ShardpointError
+from ..errors import ShardpointError
 from ..layout import FlatShard
 from ..report import LoadReport
+from ..state import apply_param_groups
 from ..tree import encode_key
 
 __all__ = ["save", "load", "convert", "finish_load", "train_state_parts", "prepare_train_state", "apply_train_state"]
@@ -321,22 +322,7 @@ def apply_train_state(engine: Any, sd: Mapping[str, Any]) -> None:
     if isinstance(opt_sd, Mapping):
         saved_groups = opt_sd.get("param_groups")
         if saved_groups is not None:
-            rows = _group_fqns(engine)
-            if len(saved_groups) != len(rows):
-                raise KeyMismatchError(
-                    f"optimizer: the checkpoint has {len(saved_groups)} param_groups, this engine has {len(rows)}; "
-                    "build the optimizer with the same groups, or exclude=['optimizer']"
-                )
-            for i, (g, saved, want) in enumerate(zip(topt.param_groups, saved_groups, rows, strict=True)):
-                got = list(saved.get("params", want))
-                if got != want:
-                    raise KeyMismatchError(
-                        f"optimizer param_groups[{i}] holds {want[:5]}... in this engine but {got[:5]}... in the "
-                        "checkpoint; the groups must hold the same parameters in the same order"
-                    )
-                for k, v in saved.items():
-                    if k != "params":
-                        g[k] = v
+            apply_param_groups(topt.param_groups, saved_groups, _group_fqns(engine))
         saved_state = opt_sd.get("state") or {}
         for pc in pieces(engine):
             for name, v in (saved_state.get(pc.fqn) or {}).items():

@@ -6,8 +6,8 @@ so that planning for thousands of ranks stays fast.
 """
 
 from .boxes import Box, box_runs, intersect
-from .save import ChunkTable, PlanError, SavePlan, plan_save, validate_partition
 from .read import ReadOp, plan_reads
+from .save import ChunkTable, PlanError, SavePlan, plan_save, validate_partition
 
 __all__ = [
     "Box",
