@@ -153,7 +153,15 @@ def make_plan(metas: list[dict[str, Any]]) -> _Plan:
     counts = [len(m["chunks"]["key"]) for m in metas]
     row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist() if counts else []
     n = int(sum(counts))
-    key_col = np.fromiter((kid[k] for m in metas for k in m["chunks"]["key"]), dtype=np.int64, count=n)
+    ids: list[np.ndarray] = []
+    prev_keys: list[str] | None = None
+    for m in metas:  # ranks usually list the same keys in the same order: look them up once
+        ks = m["chunks"]["key"]
+        if ks != prev_keys:
+            cur = np.fromiter((kid[k] for k in ks), dtype=np.int64, count=len(ks))
+            prev_keys = ks
+        ids.append(cur)
+    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     lens = nds[key_col]
     total = int(lens.sum())
     rows = np.repeat(np.arange(n), lens)
