@@ -1,0 +1,324 @@
+"""Hostile and damaged manifests: whatever the manifest says, ``load``,
+``load_full``, ``metadata`` and ``verify`` return or raise a ``ShardpointError``
+(``verify`` may report problems instead), nothing hangs, and nothing outside the
+checkpoint directory is opened.
+
+Every call runs in a sandbox worker process with a hard time bound (see
+``_sandbox.py``); a call that blocks, say on opening a FIFO, fails the test as
+``Hung`` instead of stalling the suite."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.failure._sandbox import Sandbox
+from tests.failure._util import manifest
+
+OUTSIDE = "outside.safetensors"  # a FIFO beside the checkpoint directory, where '../' names point
+
+
+def check_outcomes(results: dict[str, dict[str, Any]], *, damaged: bool) -> None:
+    """Only ShardpointError subclasses come out; with ``damaged``, verify must say so."""
+    for call, r in results.items():
+        assert r["ok"] or r["shardpoint"], f"{call} raised {r['type']} (not a ShardpointError):\n{r['traceback']}"
+    v = results.get("verify")
+    if damaged and v is not None and v["ok"]:
+        assert not v["verified"] and v["problems"], "verify reported a damaged checkpoint as OK"
+
+
+# -- hand-written cases -------------------------------------------------------------------
+
+def _first_file(m: dict[str, Any]) -> str:
+    return sorted(m["files"])[0]
+
+
+def _rename_file(m: dict[str, Any], new: str) -> None:
+    """Point the first data file's entry, and every chunk in it, at ``new``."""
+    old = _first_file(m)
+    m["files"][new] = m["files"].pop(old)
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            if x.get("file") == old:
+                x["file"] = new
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(m["entries"])
+
+
+def _tensor(m: dict[str, Any], key: str = "model/w") -> dict[str, Any]:
+    return m["entries"][key]
+
+
+def _nest(depth: int) -> Any:
+    v: Any = ["int", "1"]
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        x = m
+        for p in path[:-1]:
+            x = x[p]
+        x[path[-1]] = value
+
+    return edit
+
+
+def _only_tensor(m: dict[str, Any], dtype: str, shape: list[int], nbytes: int, file_size: int | None = None) -> None:
+    """One tensor of ``shape`` whose ``nbytes`` bytes the manifest says lie in a
+    file of ``file_size`` bytes (default ``2 * nbytes``; the file is really 1 MiB)."""
+    f = _first_file(m)
+    m["checksum"]["block_size"] = 1 << 40
+    m["files"] = {f: {"size": file_size or 2 * nbytes, "rank": 0}}
+    m["entries"] = {"model/w": {"kind": "tensor", "dtype": dtype, "shape": shape, "chunks": [
+        {"offsets": [0] * len(shape), "sizes": shape, "file": f, "offset": 0, "length": nbytes,
+         "crc32": [0] * -(-nbytes // (1 << 40))}]}}
+
+
+def _compact(m: dict[str, Any]) -> str:
+    return json.dumps(m, separators=(",", ":"))
+
+
+# each case edits the manifest dict (or returns raw bytes to write instead)
+CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "dotdot-file": lambda m: _rename_file(m, f"../{OUTSIDE}"),
+    "dotdot-nested": lambda m: _rename_file(m, f"a/../../{OUTSIDE}"),
+    "absolute-path": lambda m: _rename_file(m, "ABSOLUTE"),  # replaced by the FIFO's absolute path below
+    "backslash-dotdot": lambda m: _rename_file(m, f"..\\{OUTSIDE}"),
+    "manifest-as-data": lambda m: _rename_file(m, "manifest.json"),
+    "empty-file-name": lambda m: _rename_file(m, ""),
+    "huge-shape": lambda m: _only_tensor(m, "float32", [1 << 48], 1 << 50),
+    "huge-shape-2d": lambda m: _only_tensor(m, "float64", [1 << 20, 1 << 20], 8 << 40),
+    "huge-shape-short-chunk": lambda m: _only_tensor(m, "float32", [1 << 48], 400, file_size=1000),
+    "64-dims": _set(("entries", "model/w", "shape"), [2] * 64),
+    "65-dims": _set(("entries", "model/w", "shape"), [1] * 65),
+    "negative-chunk-offsets": lambda m: _tensor(m)["chunks"][1].update(offsets=[-2, 0]),
+    "negative-byte-offset": lambda m: _tensor(m)["chunks"][0].update(offset=-8),
+    "negative-length": lambda m: _tensor(m)["chunks"][0].update(length=-48),
+    "overlapping-chunks-with-gap": lambda m: _tensor(m)["chunks"][1].update(offsets=[1, 0]) or _tensor(m).update(shape=[4, 6]),
+    "duplicate-chunk": lambda m: _tensor(m)["chunks"].__setitem__(1, copy.deepcopy(_tensor(m)["chunks"][0])),
+    "chunk-past-file-end": lambda m: _tensor(m)["chunks"][0].update(offset=m["files"][_first_file(m)]["size"] - 8),
+    "file-size-lies": lambda m: m["files"][_first_file(m)].update(size=1 << 40) or _tensor(m)["chunks"][0].update(offset=1 << 39),
+    "length-does-not-match-box": lambda m: _tensor(m)["chunks"][0].update(length=40) or _tensor(m)["chunks"][0].update(crc32=[0]),
+    "nan-created": lambda m: m.update(created=math.nan),
+    "inf-created": lambda m: m.update(created=math.inf),
+    "huge-created": lambda m: m.update(created=1e300),
+    "nan-size": lambda m: m["files"][_first_file(m)].update(size=math.nan),
+    "inf-shape": _set(("entries", "model/w", "shape"), [math.inf, 6]),
+    "float-offsets": lambda m: _tensor(m)["chunks"][0].update(offset=344.0),
+    "bool-size": lambda m: m["files"][_first_file(m)].update(size=True),
+    "huge-world-size": lambda m: m.update(world_size=10**400),
+    "huge-int-value": _set(("entries", "step", "value"), ["int", "9" * 4500]),
+    "huge-int-key": lambda m: m["entries"].update({"1" * 5000: m["entries"].pop("step")}),
+    "huge-int-container": lambda m: m["containers"].update({"9" * 5000: "dict"}),
+    "superscript-rank": lambda m: m["entries"]["rng"]["ranks"].update({"\u00b2": m["entries"]["rng"]["ranks"]["1"]}),
+    "rank-beyond-world": lambda m: m["entries"]["rng"]["ranks"].update({"7": m["entries"]["rng"]["ranks"]["1"]}),
+    "per-rank-key-elsewhere": lambda m: m["entries"]["rng"]["ranks"]["0"].update(
+        entries={"zzz": m["entries"]["rng"]["ranks"]["0"]["entries"]["rng/seed"]}),
+    "per-rank-root-key": lambda m: m["entries"]["rng"]["ranks"]["0"].update(
+        entries={"": m["entries"]["rng"]["ranks"]["0"]["entries"]["rng/seed"]}),
+    "nested-per-rank": lambda m: m["entries"]["rng"]["ranks"]["0"]["entries"].update({"rng/x": copy.deepcopy(m["entries"]["rng"])}),
+    "dtype-is-a-list": _set(("entries", "model/w", "dtype"), ["float32"]),
+    "dtype-unknown": _set(("entries", "model/w", "dtype"), "object"),
+    "numpy-bfloat16": lambda m: _tensor(m).update(dtype="bfloat16", shape=[4, 12], numpy=True) or [
+        c.update(offsets=[c["offsets"][0], 0], sizes=[2, 12]) for c in _tensor(m)["chunks"]],
+    "numpy-flag-not-bool": _set(("entries", "model/b", "numpy"), {"x": 1}),
+    "crc-list-wrong-length": _set(("entries", "model/w", "chunks", 0, "crc32"), [1, 2, 3]),
+    "crc-huge": _set(("entries", "model/w", "chunks", 0, "crc32"), [1 << 70]),
+    "block-size-zero": _set(("checksum", "block_size"), 0),
+    "block-size-one": _set(("checksum", "block_size"), 1),
+    "unknown-kind": _set(("entries", "step", "kind"), "pickle"),
+    "value-is-pickle": _set(("entries", "step", "value"), ["pickle", "gASVAAAAAAAAAAA="]),
+    "container-unknown-type": lambda m: m["containers"].update(model="set"),
+    "root-is-a-list": lambda m: m["containers"].update({"": "list"}),
+    "root-leaf-beside-others": lambda m: m["entries"].update({"": m["entries"]["step"]}),
+    "leaf-under-leaf": lambda m: m["entries"].update({"step/x": m["entries"]["model/b"]}),
+    "entries-is-a-list": _set(("entries",), []),
+    "files-is-a-list": _set(("files",), []),
+    "chunk-is-a-string": _set(("entries", "model/w", "chunks"), ["chunk"]),
+    "version-from-the-future": lambda m: m.update(version=99),
+    "not-shardpoint": lambda m: m.update(format="torch-dcp"),
+    "deep-value": _set(("entries", "step", "value"), _nest(900)),
+    "deep-json": lambda m: b"[" * 200_000 + b"]" * 200_000,
+    "deep-json-in-entry": lambda m: _compact(m).replace('"step":{', '"step":' + "[" * 50_000 + "]" * 50_000 + ',"x":{', 1).encode(),
+    "nan-literals": lambda m: _compact(m).replace('"size":', '"size":NaN,"s":', 1).encode(),
+    "not-json": lambda m: b"\x80\x04\x95 pickle? no.",
+    "empty": lambda m: b"",
+    "json-array": lambda m: b"[1, 2, 3]",
+    "lone-surrogate-key": lambda m: _compact(m).replace('"model/b"', '"model/\\ud800"').encode(),
+    "utf16": lambda m: json.dumps(m).encode("utf-16"),
+}
+
+
+#: Cases that are odd but not damage: verify may call them OK.
+BENIGN = {"lone-surrogate-key"}
+
+
+@pytest.fixture
+def hostile(sample: Path) -> Path:
+    """The sample checkpoint, with a FIFO beside it where '../' names point."""
+    os.mkfifo(sample.parent / OUTSIDE)
+    return sample
+
+
+def test_fifo_would_block() -> None:
+    """Control for the FIFO cases: opening the FIFO really blocks (until a writer
+    comes), so a reader that followed a '../' name would hang, and the time bound
+    would fail the test."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        fifo = os.path.join(d, OUTSIDE)
+        os.mkfifo(fifo)
+        opened = threading.Event()
+
+        def reader() -> None:
+            with open(fifo, "rb"):
+                opened.set()
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        assert not opened.wait(0.3), "opening a FIFO with no writer returned at once"
+        os.close(os.open(fifo, os.O_WRONLY))  # let the reader go
+        t.join(5)
+        assert opened.is_set()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_manifest(case: str, hostile: Path, sandbox: Sandbox) -> None:
+    m = manifest(hostile)
+    raw = CASES[case](m)
+    if case == "absolute-path":
+        raw = json.dumps(m).replace('"ABSOLUTE"', json.dumps(str(hostile.parent / OUTSIDE))).encode()
+    (hostile / "manifest.json").write_bytes(raw if isinstance(raw, bytes) else json.dumps(m).encode())
+    results = sandbox.run(str(hostile))
+    assert raw is None or json.dumps(m).encode() != raw, "the case changed nothing"
+    check_outcomes(results, damaged=case not in BENIGN)
+    # a '../' or absolute name is refused before any I/O, so the FIFO was never opened
+    if case in ("dotdot-file", "dotdot-nested", "absolute-path"):
+        for call in ("load", "load_full", "metadata"):
+            assert not results[call]["ok"] and "not a plain relative name" in results[call]["message"]
+
+
+def test_fifo_inside_checkpoint(hostile: Path, sandbox: Sandbox) -> None:
+    """A data file (or the manifest) that is a FIFO inside the checkpoint: refused,
+    not opened for a blocking read."""
+    f = sorted(manifest(hostile)["files"])[0]
+    os.remove(hostile / f)
+    os.mkfifo(hostile / f)
+    check_outcomes(sandbox.run(str(hostile)), damaged=True)
+    shutil.copy(hostile / "manifest.json", hostile / "m.bak")
+    os.remove(hostile / "manifest.json")
+    os.mkfifo(hostile / "manifest.json")
+    check_outcomes(sandbox.run(str(hostile)), damaged=True)
+
+
+def test_directory_as_data_file(hostile: Path, sandbox: Sandbox) -> None:
+    f = sorted(manifest(hostile)["files"])[0]
+    os.remove(hostile / f)
+    os.mkdir(hostile / f)
+    check_outcomes(sandbox.run(str(hostile)), damaged=True)
+
+
+def test_symlink_to_outside_fifo(hostile: Path, sandbox: Sandbox) -> None:
+    """A data file that is a symlink to the FIFO outside: still never blocks."""
+    f = sorted(manifest(hostile)["files"])[0]
+    os.remove(hostile / f)
+    os.symlink(hostile.parent / OUTSIDE, hostile / f)
+    check_outcomes(sandbox.run(str(hostile)), damaged=True)
+
+
+# -- generated mutations -------------------------------------------------------------------
+
+def _paths(x: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [here]
+    if isinstance(x, dict):
+        for k, v in x.items():
+            out += _paths(v, here + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            out += _paths(v, here + (i,))
+    return out
+
+
+_SPECIAL_STRINGS = ["../" + OUTSIDE, "/etc/passwd", "manifest.json", "", ".", "..", "float32", "bfloat16", "tensor",
+                    "per_rank", "value", "dict", "list", "model/w", "0", "1", "-1", "%", "%ZZ", "\u00b2", "a/../b"]
+_SPECIAL_INTS = [-1, 0, 1, 2, 7, 63, 64, 65, 1 << 20, (1 << 31) - 1, 1 << 32, (1 << 62) - 1, 1 << 62, 1 << 63, 1 << 64, -(1 << 63), 10**30]
+
+json_scalars = (
+    st.none() | st.booleans() | st.sampled_from(_SPECIAL_INTS) | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(_SPECIAL_STRINGS) | st.text(max_size=12)
+)
+json_values = st.recursive(
+    json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(_SPECIAL_STRINGS) | st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@st.composite
+def mutated_manifests(draw: Any, base: dict[str, Any]) -> bytes:
+    doc = copy.deepcopy(base)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(doc)
+        path = draw(st.sampled_from(paths))
+        op = draw(st.sampled_from(["replace", "replace", "delete", "number", "duplicate", "swap-type"]))
+        if not path:
+            continue
+        parent = doc
+        for p in path[:-1]:
+            parent = parent[p]
+        last = path[-1]
+        cur = parent[last]
+        if op == "delete":
+            del parent[last]
+        elif op == "number":
+            parent[last] = draw(st.sampled_from(_SPECIAL_INTS) | st.floats(allow_nan=True, allow_infinity=True))
+        elif op == "duplicate" and isinstance(parent, list):
+            parent.append(copy.deepcopy(cur))
+        elif op == "swap-type":
+            parent[last] = [cur] if not isinstance(cur, list) else {"x": cur}
+        else:
+            parent[last] = draw(json_values)
+    raw = json.dumps(doc, allow_nan=True).encode()
+    if draw(st.integers(0, 9)) == 0:  # now and then, damage the bytes instead of the structure
+        i = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + bytes([draw(st.integers(0, 255))]) + raw[i + draw(st.integers(0, 2)) :]
+    return raw
+
+
+_EXAMPLES = int(os.environ.get("SHARDPOINT_HOSTILE_EXAMPLES", 150))
+
+
+def test_generated_hostile_manifests(_sample_master: Path, tmp_path_factory: pytest.TempPathFactory, sandbox: Sandbox) -> None:
+    work = tmp_path_factory.mktemp("hostile") / "ckpt"
+    shutil.copytree(_sample_master, work)
+    os.mkfifo(work.parent / OUTSIDE)
+    base = manifest(work)
+
+    @settings(max_examples=_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(raw=mutated_manifests(base))
+    def run(raw: bytes) -> None:
+        (work / "manifest.json").write_bytes(raw)
+        check_outcomes(sandbox.run(str(work)), damaged=False)
+
+    run()
