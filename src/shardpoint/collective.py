@@ -27,6 +27,11 @@ from .errors import CollectiveMismatchError, ShardpointError
 #: take long; arrival is bounded separately by the call's ``timeout``).
 GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("SHARDPOINT_GROUP_TIMEOUT", 1800)))
 
+#: When a collective on the checkpoint group fails (a peer died: gloo raises at
+#: once), how long the survivors wait for each other on the store before naming the
+#: ranks that did not answer.
+PEER_GRACE = float(os.environ.get("SHARDPOINT_PEER_GRACE", 1.0))
+
 _seq: dict[str, int] = {}
 _groups: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -61,6 +66,7 @@ class Comm:
 
         self.store = dist.PrefixStore(f"shardpoint/{self.tag}/", _get_default_store())
         self._group: Any = None
+        self._seq = 0  # the arrival sequence number of this call (0: no arrival yet)
 
     # -- arrival ---------------------------------------------------------------------
     def arrive(self, op: str, path: str) -> None:
@@ -72,6 +78,7 @@ class Comm:
         with _lock:
             seq = _seq.get(self.tag, 0) + 1
             _seq[self.tag] = seq
+        self._seq = seq
         store, base, world = self.store, f"{seq}", self.world
         store.set(f"{base}/arrive/{self.rank}", json.dumps({"op": op, "path": path}))
         state_key = f"{base}/state"
@@ -141,16 +148,15 @@ class Comm:
         """Every rank's ``obj`` (JSON-serialisable), in rank order."""
         if self.store is None:
             return [obj]
-        dist, g = self.dist, self.group()
         data = json.dumps(obj, separators=(",", ":")).encode()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=g)
+        self._run(self.dist.all_gather, sizes, size)
         n = max(int(s.item()) for s in sizes)
         buf = torch.zeros(n, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(outs, buf, group=g)
+        self._run(self.dist.all_gather, outs, buf)
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
@@ -158,8 +164,56 @@ class Comm:
         if self.store is None:
             return flags
         out = flags.clone()
-        self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group())
+        self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX)
         return out
+
+    def _run(self, collective: Any, *args: Any, **kwargs: Any) -> None:
+        """One collective on the checkpoint group. When it fails (gloo raises as soon
+        as a peer's connection closes), raise :class:`CollectiveMismatchError` naming
+        the ranks that are gone instead of gloo's own error, so that
+        ``except ShardpointError`` in a training loop sees it."""
+        try:
+            collective(*args, group=self.group(), **kwargs)
+        except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
+            raise self._peer_failure(e) from e
+
+    def _peer_failure(self, cause: BaseException) -> CollectiveMismatchError:
+        """Survivors of a failed collective report in on the store for up to
+        :data:`PEER_GRACE` seconds; the ranks that do not are named."""
+        what = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
+        assert self.store is not None
+        try:
+            key = f"{self._seq}/failed"
+            self.store.set(f"{key}/{self.rank}", "1")
+            deadline = time.monotonic() + min(PEER_GRACE, self.timeout)
+            while True:
+                present = [r for r in range(self.world) if self.store.check([f"{key}/{r}"])]
+                if len(present) == self.world or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the store is gone with the process that hosted it
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            host = "the launcher's agent" if agent else "rank 0"
+            return CollectiveMismatchError(
+                f"{host} (which hosts the process group's store) is gone: a collective of the checkpoint on rank "
+                f"{self.rank} failed ({what}) and the store is unreachable. The save or load did not complete "
+                "(a save that did not commit left no checkpoint); see the logs of the rank that died and restart the job",
+                ranks=[] if agent else [0],
+            )
+        absent = [r for r in range(self.world) if r not in present]
+        if not absent:
+            return CollectiveMismatchError(
+                f"a collective of the checkpoint failed on every rank ({what}); the save or load did not complete. "
+                f"If it timed out, raise SHARDPOINT_GROUP_TIMEOUT (now {GROUP_TIMEOUT.total_seconds():g}s)",
+                ranks=[],
+            )
+        return CollectiveMismatchError(
+            f"ranks {absent} died or hang: a collective of the checkpoint on rank {self.rank} failed ({what}) and "
+            f"they did not answer within {min(PEER_GRACE, self.timeout):g}s after it. The save or load did not "
+            "complete on every rank (a save that did not commit left no checkpoint); see those ranks' logs and "
+            "restart the job",
+            ranks=absent,
+        )
 
 
 def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
@@ -169,7 +223,13 @@ def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
     if error is not None:
         mine["error"] = f"{type(error).__name__}: {error}"
         mine["type"] = type(error).__name__
-    everyone = comm.all_gather_json(mine)
+    try:
+        everyone = comm.all_gather_json(mine)
+    except CollectiveMismatchError as lost:
+        if error is None:
+            raise
+        # a peer is gone as well; this rank's own failure is what its user needs first
+        raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error} (and {lost})") from error
     failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
     if failed:
         if isinstance(error, ShardpointError):
