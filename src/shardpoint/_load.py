@@ -4,7 +4,6 @@ create -> report."""
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, ShardpointError
-from .format.datafile import dtype_from_name
+from .format.datafile import crc32, dtype_from_name
 from .format.manifest import MANIFEST_NAME, Manifest, Tree, decode_value
 from .layout import chunks_of
 from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
@@ -114,7 +113,7 @@ class Reader:
                 mv = memoryview(data)
                 for j, i in enumerate(range(0, max(len(data), 1), blk)):
                     want = chunk["crc32"][lo // blk + j]
-                    if zlib.crc32(mv[i : i + blk]) != want:
+                    if crc32(mv[i : i + blk]) != want:
                         raise CorruptCheckpointError(
                             f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + lo + i}..{chunk['offset'] + lo + i + len(mv[i : i + blk])}) "
                             f"for key {t.key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
@@ -152,10 +151,10 @@ class Reader:
             raise CorruptCheckpointError(f"key {key!r}: {e}") from None
         for j in range(a // blk, -(-b // blk)):
             s, e = j * blk, min((j + 1) * blk, length)
-            crc = zlib.crc32(head[s - a :]) if s < lo else 0
-            crc = zlib.crc32(view[max(s, lo) - lo : min(e, hi) - lo], crc)
+            crc = crc32(head[s - a :]) if s < lo else 0
+            crc = crc32(view[max(s, lo) - lo : min(e, hi) - lo], crc)
             if e > hi:
-                crc = zlib.crc32(tail[: e - hi], crc)
+                crc = crc32(tail[: e - hi], crc)
             if crc != chunk["crc32"][j]:
                 raise CorruptCheckpointError(
                     f"checksum mismatch in {chunk['file']} (bytes {base + s}..{base + e}) for key {key!r}: the file is "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import struct
 import sys
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import torch
 
 from ._load import IO_THREADS, _validate_saved, read_manifest
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.datafile import dtype_from_name
+from .format.datafile import crc32, dtype_from_name
 from .format.manifest import MANIFEST_NAME, Manifest
 from .storage import Storage, storage_for
 
@@ -271,7 +270,7 @@ def _crc_job(storage: Storage, block: int, key: str, rank: int | None, c: dict[s
                     data = storage.read(f, base + p, q - p)
                     if len(data) != q - p:
                         raise CorruptCheckpointError(f"short read at byte {base + p}: the file is truncated")
-                    crc = zlib.crc32(data, crc)
+                    crc = crc32(data, crc)
                 if crc != c["crc32"][j]:
                     bad.append(j)
         except (OSError, CorruptCheckpointError) as err:

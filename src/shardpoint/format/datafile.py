@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..storage.base import Storage
+
+try:  # the same CRC-32 as zlib's, about 5x faster (carry-less multiply): checksums stop costing a save its throughput
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; fall back where its wheel is missing
+    from zlib import crc32
 
 #: Bytes covered by one CRC-32 in the manifest; partial reads are rounded out to it.
 CRC_BLOCK = int(os.environ.get("SHARDPOINT_CRC_BLOCK", 1 << 20))
@@ -62,7 +66,7 @@ def block_crcs(view: memoryview, block: int = CRC_BLOCK) -> list[int]:
     """CRC-32 of each ``block``-byte piece of ``view`` (at least one entry)."""
     if len(view) == 0:
         return [0]
-    return [zlib.crc32(view[i : i + block]) for i in range(0, len(view), block)]
+    return [crc32(view[i : i + block]) for i in range(0, len(view), block)]
 
 
 def write_data_file(storage: Storage, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[WrittenChunk]:
@@ -94,7 +98,7 @@ def write_data_file(storage: Storage, name: str, tensors: Sequence[tuple[str, to
             these = []
             for i in range(0, max(len(view), 1), CRC_BLOCK):
                 piece = view[i : i + CRC_BLOCK]
-                these.append(zlib.crc32(piece))
+                these.append(crc32(piece))
                 if len(piece):
                     yield piece
             crcs.append(these)
