@@ -79,7 +79,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    raise RankFailed(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                    raise RankFailed(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}") from None
     finally:
         for p in procs:
             p.join(timeout=5)

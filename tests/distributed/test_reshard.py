@@ -4,8 +4,6 @@ a 4-rank checkpoint. Byte-exact, in place, and reading only the bytes needed."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
