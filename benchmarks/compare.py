@@ -92,7 +92,9 @@ OPS = [
     ("dcp_async", "DCP async_save: stall (total to done)"),
     ("dcp_async2", "  steady state: 2nd and 3rd calls (median)"),
     ("dcp_load4", "DCP load on 4 ranks (median of 3 cold runs)"),
+    ("read_floor2", "disk: cold sequential read of the checkpoint's bytes by 2 processes (floor of a 4 -> 2 load)"),
     ("dcp_load2", "DCP load 4 -> 2 ranks (median of 3 cold runs)"),
+    ("dcp_load2_warm", "  the same from the page cache (median of 3 warm runs)"),
     ("ds_save", "DeepSpeed ZeRO-2 save_checkpoint (no fsync)"),
     ("ds_fsync", "  + fsync of its files afterwards"),
     ("ds_to_universal", "`ds_to_universal.py --inject_missing_state`"),
@@ -103,6 +105,7 @@ OPS = [
     ("sp_load4", "shardpoint load on 4 ranks (median of 3 cold runs)"),
     ("sp_load2", "shardpoint load 4 -> 2 ranks (median of 3 cold runs)"),
     ("sp_load2_noverify", "  the same with verify=False (no CRC check; DCP checks none)"),
+    ("sp_load2_warm", "  the same from the page cache (median of 3 warm runs, CRCs verified)"),
 ]
 
 
@@ -163,6 +166,12 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     sp2, dcp2 = s("sp_load2"), s("dcp_load2")
     v = dcp2 / sp2 if sp2 and dcp2 else None
     add("DCP load 4->2 / shardpoint load 4->2", v, ">= 1.5", None if v is None else v >= 1.5)
+    floor = s("read_floor2")
+    v = floor / sp2 if sp2 and floor else None
+    add("  disk floor / shardpoint load 4->2 (1.0: as fast as the disk)", v, "—", None)
+    w_sp, w_dcp = s("sp_load2_warm"), s("dcp_load2_warm")
+    v = w_dcp / w_sp if w_sp and w_dcp else None
+    add("DCP load 4->2 / shardpoint load 4->2, page cache warm", v, ">= 1.5", None if v is None else v >= 1.5)
     dsu, dsl = s("ds_to_universal"), s("ds_universal_load2")
     v = (dsu + dsl) / sp2 if sp2 and dsu and dsl else None
     add("(ds_to_universal + universal load) / shardpoint load 4->2", v, ">= 10", None if v is None else v >= 10)

@@ -3,6 +3,9 @@ surface on wait(); one staging buffer, reused."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -111,3 +114,20 @@ def test_async_save_beside_training_collectives(tmp_path) -> None:  # type: igno
     torch.manual_seed(0)
     assert torch.equal(full["w"], torch.randn(256, 64))
     assert torch.equal(full["r"][1], torch.ones(4))
+
+
+def test_exit_with_a_save_in_flight_warns_and_commits_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real interpreter exit while the background writer is still busy: a loud
+    warning names the step, and no manifest (so no checkpoint) appears."""
+    script = textwrap.dedent(f"""
+        import threading, torch, shardpoint
+        from shardpoint import _save
+        _save.phase_hook = lambda phase: threading.Event().wait() if phase == "planned" else None
+        mgr = shardpoint.CheckpointManager({str(tmp_path)!r})
+        mgr.save(shardpoint.TrainState(rng=False, w=torch.ones(100)), 7, blocking=False)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" in proc.stderr and "step 7" in proc.stderr and "NOT committed" in proc.stderr, proc.stderr
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    assert mgr.latest() is None and not (tmp_path / "step-00000007" / "manifest.json").exists()

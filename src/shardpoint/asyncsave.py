@@ -31,6 +31,8 @@ class SaveHandle:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        #: The training step, when :class:`CheckpointManager` started the save.
+        self.step: int | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -141,8 +143,9 @@ def save_async(comm: Comm, storage: Storage, state: Any, overwrite: bool, after_
 def _warn_in_flight() -> None:
     h = _in_flight
     if h is not None and not h.done():
+        what = f"step {h.step} ({h.path})" if h.step is not None else h.path
         print(
-            f"shardpoint WARNING: an asynchronous save to {h.path} was still in flight at exit and was NOT committed "
+            f"shardpoint WARNING: the asynchronous save of {what} was still in flight at exit and was NOT committed "
             "(no manifest was written, so it does not count as a checkpoint). Call handle.wait() or "
             "CheckpointManager.wait() before exiting or destroying the process group.",
             file=sys.stderr,

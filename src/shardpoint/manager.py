@@ -143,6 +143,7 @@ class CheckpointManager:
         finally:
             _save.after_commit_hook.reset(token)
         if not blocking:
+            handle.step = step
             self._pending = handle
         return handle
 
