@@ -14,6 +14,7 @@ import gc
 import inspect
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -304,8 +305,16 @@ def role_save(cfg: dict[str, Any]) -> None:
         m2, o2 = get_state_dict(model, opt)
         rec.check(name, fp, fingerprint({"model": m2, "optim": o2}))
 
+    def save_3x(name: str, save: Callable[[str], Any], path: str) -> None:
+        """Three saves into fresh folders (median); the first one stays at ``path``."""
+        paths = iter([path, path + "-rep2", path + "-rep3"])
+        rec.op(name, lambda: save(next(paths)), repeat=3)
+        if rank == 0:
+            for extra in (path + "-rep2", path + "-rep3"):
+                shutil.rmtree(extra, ignore_errors=True)
+
     # DCP first, so that a failure in shardpoint leaves the peers measured
-    rec.op("dcp_save", lambda: dcp.save(state, checkpoint_id=d["dcp"]))
+    save_3x("dcp_save", lambda p: dcp.save(state, checkpoint_id=p), d["dcp"])
     # three calls: the first allocates its staging memory; the median of the next two is the steady state
     for name in ("dcp_async", "dcp_async2", "dcp_async3"):
         rec.op_async(name, lambda name=name: dcp.async_save(state, checkpoint_id=d[name]), lambda fut: fut.result(), negate)
@@ -322,7 +331,7 @@ def role_save(cfg: dict[str, Any]) -> None:
             rec.rows[k] = {"error": why}
         rec.flush()
         return
-    rec.op("sp_save", lambda: sp.save(state, d["sp"]))
+    save_3x("sp_save", lambda p: sp.save(state, p), d["sp"])
     why_async = async_available(sp)
     if why_async:
         rec.rows["sp_async"] = {"error": why_async}
