@@ -427,6 +427,26 @@ def test_overwrite_true_replaces_and_removes_old_data(tmp_path: Path) -> None:
     assert sorted(full) == ["w"] and torch.equal(full["w"], torch.zeros(3))
 
 
+def test_overwrite_leaves_no_moment_without_a_loadable_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At every phase boundary of an overwriting save, a fresh load finds the old
+    checkpoint whole (until the manifest is replaced) or the new one (after)."""
+    from shardpoint import _save
+
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.ones(1000), "step": 1}, p)
+    seen: dict[str, tuple[float, int]] = {}
+
+    def look(phase: str) -> None:
+        full = shardpoint.load_full(p)  # verifies every checksum
+        values = set(full["w"].tolist())
+        assert len(values) == 1, f"{phase}: a mix of old and new values {values}"
+        seen[phase] = (values.pop(), full["step"])
+
+    monkeypatch.setattr(_save, "phase_hook", look)
+    shardpoint.save({"w": torch.full((1000,), 2.0), "step": 2}, p, overwrite=True)
+    assert seen == {"planned": (1.0, 1), "written": (1.0, 1), "before_commit": (1.0, 1), "committed": (2.0, 2)}
+
+
 # --- the format as others see it ---------------------------------------------------------------
 
 def test_newer_format_version_is_refused_clearly(tmp_path: Path) -> None:
