@@ -126,12 +126,13 @@ def test_sigkill_at_each_phase_boundary(ctx: Any, tmp_path: Path) -> None:
     assert h.latest is not None and h.latest >= len(PHASES)  # the first save of every trial committed
 
 
+@pytest.mark.timeout(max(300, SOAK * 3))  # about 0.7 s a trial; a long soak must not hit the default bound
 def test_sigkill_at_random_moments(ctx: Any, tmp_path: Path) -> None:
     root = tmp_path / "root"
     rng = random.Random(SEED)
     h = History()
     for _ in range(SOAK):
-        kill = {"rank": rng.randrange(WORLD), "after": rng.uniform(0.0, 0.6), "max_steps": 40}
+        kill = {"rank": rng.randrange(WORLD), "after": rng.uniform(0.0, 0.6), "max_steps": 1000}  # never done before the kill
         h.after(ctx, root, kill, run_trial(ctx, root, kill))
     # most trials must have killed a rank mid-run, or the test proves little
     assert h.kills >= SOAK * 3 // 4, f"only {h.kills} of {SOAK} trials killed a rank (seed {SEED})"
