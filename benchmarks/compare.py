@@ -89,7 +89,7 @@ OPS = [
     ("clone", "`clone()` of the local state (median of 3)"),
     ("torch_save", "`torch.save` + fsync of the full state, 1 process"),
     ("dcp_save", "DCP save (fsync; median of 3)"),
-    ("dcp_async", "DCP async_save: stall (total to done)"),
+    ("dcp_async", "DCP async_save: stall (total to done), first call (median of 3)"),
     ("dcp_async2", "  steady state: 2nd and 3rd calls (median)"),
     ("dcp_load4", "DCP load on 4 ranks (median of 3 cold runs)"),
     ("read_floor2", "disk: cold sequential read of the checkpoint's bytes by 2 processes (floor of a 4 -> 2 load)"),
@@ -100,7 +100,7 @@ OPS = [
     ("ds_to_universal", "`ds_to_universal.py --inject_missing_state`"),
     ("ds_universal_load2", "DeepSpeed universal load on 2 ranks"),
     ("sp_save", "shardpoint save (blocking; median of 3)"),
-    ("sp_async", "shardpoint save(blocking=False): stall (total to wait())"),
+    ("sp_async", "shardpoint save(blocking=False): stall (total to wait()), first call (median of 3, staging allocated each time)"),
     ("sp_async2", "  steady state: 2nd and 3rd calls (median; staging buffers reused)"),
     ("sp_load4", "shardpoint load on 4 ranks (median of 3 cold runs)"),
     ("sp_load2", "shardpoint load 4 -> 2 ranks (median of 3 cold runs)"),
@@ -246,7 +246,7 @@ def main() -> int:
     work = os.path.join(tmp, "work")
     os.makedirs(work)
     dirs = {k: os.path.join(tmp, k) for k in ("dcp", "sp", "ds")}
-    dirs.update({f"{p}_async{i}": os.path.join(tmp, f"{p}_async{i}") for p in ("dcp", "sp") for i in ("", "2", "3")})
+    dirs.update({f"{p}_async{i}": os.path.join(tmp, f"{p}_async{i}") for p in ("dcp", "sp") for i in ("", "_b", "_c", "2", "3")})
     dirs["torch_save"] = os.path.join(tmp, "torch_save.pt")
     res: dict[str, Any] = {
         "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
