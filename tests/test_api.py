@@ -447,6 +447,29 @@ def test_overwrite_leaves_no_moment_without_a_loadable_checkpoint(tmp_path: Path
     assert seen == {"planned": (1.0, 1), "written": (1.0, 1), "before_commit": (1.0, 1), "committed": (2.0, 2)}
 
 
+def test_checkpoint_replaced_during_a_load_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that read the manifest just before an overwriting save committed finds
+    its data files gone: the error says the checkpoint was replaced, not damaged."""
+    from shardpoint import _load
+
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.ones(1000)}, p)
+    run = _load.Reader.run
+
+    def overwrite_then_read(self: _load.Reader) -> None:
+        monkeypatch.setattr(_load.Reader, "run", run)
+        shardpoint.save({"w": torch.full((1000,), 2.0)}, p, overwrite=True)  # commits, removes the old files
+        run(self)
+
+    monkeypatch.setattr(_load.Reader, "run", overwrite_then_read)
+    with pytest.raises(ShardpointError, match="replaced or removed while this load read it.*nothing is damaged") as e:
+        shardpoint.load({"w": torch.zeros(1000)}, p)
+    assert not isinstance(e.value, CorruptCheckpointError)
+    target = {"w": torch.zeros(1000)}
+    shardpoint.load(target, p)  # loading again finds the new checkpoint
+    assert torch.equal(target["w"], torch.full((1000,), 2.0))
+
+
 # --- the format as others see it ---------------------------------------------------------------
 
 def test_newer_format_version_is_refused_clearly(tmp_path: Path) -> None:

@@ -23,8 +23,9 @@ from ._load import (
     materialise_tree,
     read_manifest,
 )
-from ._save import _Local, after_commit_hook, describe, save_collective
+from ._save import _committed, _Local, after_commit_hook, describe, save_collective
 from .collective import Comm, agree
+from .errors import CorruptCheckpointError, ShardpointError
 from .format.datafile import dtype_from_name
 from .format.manifest import Tree, decode_value
 from .report import LoadReport
@@ -156,8 +157,6 @@ def load(
         try:
             w = walk(state)
         except TypeError as e:
-            from .errors import ShardpointError
-
             raise ShardpointError(str(e)) from None
         top = TreeLoad(w, manifest.tree, select, report, rank=comm.rank)
         top.check(strict)
@@ -179,7 +178,16 @@ def load(
                 continue
             if key in top.walk.per_rank:
                 loads += load_per_rank(key, top.walk.per_rank[key], entry, comm.rank, select, reader, report, strict, create)
-        reader.run()
+        try:
+            reader.run()
+        except CorruptCheckpointError:
+            if not _committed(storage, manifest.save_id):
+                raise ShardpointError(
+                    f"the checkpoint at {storage.url} was replaced or removed while this load read it (a save "
+                    "with overwrite=True, or retention, deleted the files this load was reading); nothing is "
+                    "damaged. Load again (the targets may be partly filled)"
+                ) from None
+            raise
         report.bytes_read = reader.bytes_read
         for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
             _fill_per_rank(top.walk, tl)
