@@ -470,6 +470,18 @@ def test_checkpoint_replaced_during_a_load_is_said_so(tmp_path: Path, monkeypatc
     assert torch.equal(target["w"], torch.full((1000,), 2.0))
 
 
+def test_saving_onto_a_file_or_an_unwritable_path_is_refused_clearly(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    with pytest.raises(ShardpointError, match=f"{f} exists and is not a directory.*Save to another path"):
+        shardpoint.save({"w": torch.ones(2)}, f)
+    with pytest.raises(ShardpointError, match="is not a directory"):
+        shardpoint.CheckpointManager(f).save(shardpoint.TrainState(rng=False, w=torch.ones(2)), 1)
+    assert f.read_text() == "mine"
+    with pytest.raises(ShardpointError, match="cannot create the checkpoint directory /proc/"):
+        shardpoint.save({"w": torch.ones(2)}, "/proc/shardpoint-test/ckpt")
+
+
 # --- the format as others see it ---------------------------------------------------------------
 
 def test_newer_format_version_is_refused_clearly(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import stat
 import uuid
 from collections.abc import Iterable
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, ShardpointError
 from .base import Storage, check_name
 
 
@@ -66,14 +66,24 @@ class LocalStorage(Storage):
         return os.path.join(self.root, check_name(name))
 
     def _ensure_dir(self, path: str) -> None:
-        if not os.path.isdir(path):
-            parent = os.path.dirname(path)
-            self._ensure_dir(parent)
-            try:
-                os.mkdir(path)
-            except FileExistsError:
-                return
-            _fsync_dir(parent)  # make the new directory entry durable
+        if os.path.isdir(path):
+            return
+        if os.path.lexists(path):
+            raise ShardpointError(
+                f"{path} exists and is not a directory; a checkpoint is a directory of files. "
+                "Save to another path, or move that file away"
+            )
+        parent = os.path.dirname(path)
+        self._ensure_dir(parent)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            return
+        except OSError as e:
+            raise ShardpointError(
+                f"cannot create the checkpoint directory {path} ({e.strerror}); save to a path you can write to"
+            ) from e
+        _fsync_dir(parent)  # make the new directory entry durable
 
     def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         path = self._path(name)
@@ -176,7 +186,7 @@ class LocalStorage(Storage):
     def remove(self, name: str) -> None:
         try:
             os.unlink(self._path(name))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
 
     def remove_all(self) -> None:
