@@ -68,17 +68,17 @@ class LocalStorage(Storage):
     def _ensure_dir(self, path: str) -> None:
         if os.path.isdir(path):
             return
-        if os.path.lexists(path):
-            raise ShardpointError(
-                f"{path} exists and is not a directory; a checkpoint is a directory of files. "
-                "Save to another path, or move that file away"
-            )
         parent = os.path.dirname(path)
         self._ensure_dir(parent)
         try:
             os.mkdir(path)
         except FileExistsError:
-            return
+            if os.path.isdir(path):  # another rank or thread made it first
+                return
+            raise ShardpointError(
+                f"{path} exists and is not a directory; a checkpoint is a directory of files. "
+                "Save to another path, or move that file away"
+            ) from None
         except OSError as e:
             raise ShardpointError(
                 f"cannot create the checkpoint directory {path} ({e.strerror}); save to a path you can write to"
