@@ -41,8 +41,8 @@ def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector for one foreground call. Parsing a
     manifest and walking a state create thousands of small containers, which
     triggers full collections over the whole heap of a training process (torch's
-    objects included): about 0.1 s per call, a fifth of a 1 GB load. Nothing a call
-    allocates is cyclic garbage, so deferring collection loses nothing."""
+    objects included): about 0.1 s per call, a fifth of a 1 GB load. Collection is
+    only deferred: whatever cyclic garbage a call leaves is collected after it."""
     was = gc.isenabled()
     gc.disable()
     try:
