@@ -126,7 +126,7 @@ def test_sigkill_at_each_phase_boundary(ctx: Any, tmp_path: Path) -> None:
     assert h.latest is not None and h.latest >= len(PHASES)  # the first save of every trial committed
 
 
-@pytest.mark.timeout(max(300, SOAK * 3))  # about 0.7 s a trial; a long soak must not hit the default bound
+@pytest.mark.timeout(max(300, SOAK * 3))  # about 1 s a trial; a long soak must not hit the default bound
 def test_sigkill_at_random_moments(ctx: Any, tmp_path: Path) -> None:
     root = tmp_path / "root"
     rng = random.Random(SEED)
