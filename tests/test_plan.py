@@ -347,6 +347,20 @@ def test_plan_save_ddp_balance_is_tight() -> None:
     assert plan.bytes_per_rank.tolist() == [80, 80, 80, 80]
 
 
+
+def test_plan_save_groups_replicas_of_huge_tensors_too() -> None:
+    """Boxes of a tensor too large for one 62-bit box code are grouped column by
+    column: the same replicas, writers and balance as for a small tensor."""
+    for n in (12, 1 << 20):  # a box code of (n, n, n) needs 6 x 20 bits when n = 2**20: no single int64
+        half = n // 2
+        rows = [(0, r, Box((0, 0, 0), (half, n, n))) for r in (0, 2)] + [(0, r, Box((half, 0, 0), (n - half, n, n))) for r in (1, 3)]
+        t, shp = table_of(rows, [(n, n, n)], [1])
+        plan = plan_save(t, shp, 4)
+        assert plan.replicated.all() and plan.writer.sum() == 2
+        assert plan.group[0] == plan.group[1] != plan.group[2] == plan.group[3]
+        assert plan.bytes_per_rank.sum() == n ** 3 and (plan.bytes_per_rank > 0).sum() == 2
+
+
 @SETTINGS
 @given(layouts(), st.data())
 def test_plan_save_names_the_broken_key(case, data) -> None:  # type: ignore[no-untyped-def]

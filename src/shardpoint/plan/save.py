@@ -68,9 +68,9 @@ def _box_codes(t: ChunkTable, shapes: np.ndarray) -> np.ndarray | None:
     return code
 
 
-def _group_rows(t: ChunkTable, shapes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+def _group_rows(t: ChunkTable, shapes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """Group identical (key, box) rows. Returns (order, group id per row, n groups)."""
-    code = None if shapes is None else _box_codes(t, shapes)
+    code = _box_codes(t, shapes)
     if code is not None:  # two sort keys instead of 1 + 2 x ndim
         cols = [t.key, code]
     else:
