@@ -182,10 +182,11 @@ class Comm:
         :data:`PEER_GRACE` seconds; the ranks that do not are named."""
         what = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
         assert self.store is not None
+        grace = min(PEER_GRACE, self.timeout)
         try:
             key = f"{self._seq}/failed"
             self.store.set(f"{key}/{self.rank}", "1")
-            deadline = time.monotonic() + min(PEER_GRACE, self.timeout)
+            deadline = time.monotonic() + grace
             while True:
                 present = [r for r in range(self.world) if self.store.check([f"{key}/{r}"])]
                 if len(present) == self.world or time.monotonic() >= deadline:
@@ -209,7 +210,7 @@ class Comm:
             )
         return CollectiveMismatchError(
             f"ranks {absent} died or hang: a collective of the checkpoint on rank {self.rank} failed ({what}) and "
-            f"they did not answer within {min(PEER_GRACE, self.timeout):g}s after it. The save or load did not "
+            f"they did not answer within {grace:g}s after it. The save or load did not "
             "complete on every rank (a save that did not commit left no checkpoint); see those ranks' logs and "
             "restart the job",
             ranks=absent,
