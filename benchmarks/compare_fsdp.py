@@ -313,15 +313,24 @@ def role_save(cfg: dict[str, Any]) -> None:
             for extra in (path + "-rep2", path + "-rep3"):
                 shutil.rmtree(extra, ignore_errors=True)
 
+    def async_rows(prefix: str, start: Callable[[str], Any], wait: Callable[[Any], Any],
+                   fresh: Callable[[], None] | None = None) -> None:
+        """Row ``prefix``: the median of 3 first calls (``fresh()`` before each makes it
+        allocate its staging memory again); row ``prefix + "2"``: the median of 2 more
+        calls, the steady state."""
+        firsts = [prefix, prefix + "_b", prefix + "_c"]
+        for name in [*firsts, prefix + "2", prefix + "3"]:
+            if fresh is not None and name in firsts:
+                fresh()
+            rec.op_async(name, lambda name=name: start(d[name]), wait, negate)
+            negate()
+        rec.fold(prefix, firsts)
+        rec.fold(prefix + "2", [prefix + "2", prefix + "3"])
+
     # DCP first, so that a failure in shardpoint leaves the peers measured
     save_3x("dcp_save", lambda p: dcp.save(state, checkpoint_id=p), d["dcp"])
-    # first calls (median of 3; DCP's default stager allocates fresh memory on every call), then
-    # two more calls: the median of those is the steady state
-    for name in ("dcp_async", "dcp_async_b", "dcp_async_c", "dcp_async2", "dcp_async3"):
-        rec.op_async(name, lambda name=name: dcp.async_save(state, checkpoint_id=d[name]), lambda fut: fut.result(), negate)
-        negate()
-    rec.fold("dcp_async", ["dcp_async", "dcp_async_b", "dcp_async_c"])
-    rec.fold("dcp_async2", ["dcp_async2", "dcp_async3"])
+    # DCP's default stager allocates fresh memory on every call: every call is a first call
+    async_rows("dcp_async", lambda p: dcp.async_save(state, checkpoint_id=p), lambda fut: fut.result())
     assert same(fp, fingerprint(state)), "the state changed while saving"
     load_and_check("dcp_load4", lambda: dcp.load(state, checkpoint_id=d["dcp"]))
     load_and_check("dcp_async_content", lambda: dcp.load(state, checkpoint_id=d["dcp_async"]), timed=False)
@@ -340,13 +349,10 @@ def role_save(cfg: dict[str, Any]) -> None:
     else:
         from shardpoint import asyncsave
 
-        for name in ("sp_async", "sp_async_b", "sp_async_c", "sp_async2", "sp_async3"):
-            if name.startswith("sp_async_") or name == "sp_async":
-                asyncsave._staging.buf = None  # a true first call: the staging buffer is allocated again
-            rec.op_async(name, lambda name=name: sp.save(state, d[name], blocking=False), lambda h: h.wait(), negate)
-            negate()
-        rec.fold("sp_async", ["sp_async", "sp_async_b", "sp_async_c"])
-        rec.fold("sp_async2", ["sp_async2", "sp_async3"])  # these reuse the staging buffer
+        def drop_staging() -> None:  # a true first call: the staging buffer is allocated again
+            asyncsave._staging.buf = None
+
+        async_rows("sp_async", lambda p: sp.save(state, p, blocking=False), lambda h: h.wait(), drop_staging)
     assert same(fp, fingerprint(state)), "the state changed while saving"
     load_and_check("sp_load4", lambda: sp.load(state, d["sp"]))
     if not why_async:
