@@ -1,9 +1,12 @@
 """The manifest: one JSON document that describes a whole checkpoint.
 
 Its presence is the commit: a directory without ``manifest.json`` holds no
-checkpoint. :meth:`Manifest.parse` checks every field it will use, so a damaged
-or hostile manifest raises :class:`CorruptCheckpointError` instead of reaching
-a file outside the checkpoint, a huge allocation or an unexpected exception.
+checkpoint. It is sealed (:mod:`.digest`): :meth:`Manifest.parse` checks its
+SHA-256 before reading anything in it, so a flipped bit anywhere is refused,
+never loaded. Then it checks every field it will use, so a hostile manifest
+that was sealed on purpose raises :class:`CorruptCheckpointError` instead of
+reaching a file outside the checkpoint, a huge allocation or an unexpected
+exception. Version-1 manifests carry no seal and are still read.
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from ..storage.base import check_name
 from .datafile import DTYPES
+from .digest import is_sealed, seal, unseal
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 1
+#: Version 2: the manifest is sealed (format/digest.py).
+FORMAT_VERSION = 2
+#: The one version whose manifests have no seal (read, never written).
+UNSEALED_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CONTAINER_TYPES = ("dict", "list", "tuple")
 _MAX_DIMS = 64
@@ -31,6 +38,12 @@ _MAX_INT_DIGITS = 600
 _INT_SEG = re.compile(r"^-?[0-9]+$")
 #: dtypes that ``Tensor.numpy()`` cannot represent, so an entry marked ``numpy`` never has them.
 _NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+#: What to do about a damaged manifest, appended to the error.
+DAMAGED_FIX = (
+    "Restore this checkpoint's directory from a copy, or resume from the previous committed checkpoint "
+    "(CheckpointManager: restore(state, fallback=True), or restore(state, step=N) with N from list()); "
+    "`shardpoint verify PATH` reports what else is damaged."
+)
 
 
 def _reject_constant(name: str) -> Any:
@@ -104,8 +117,11 @@ class Manifest:
     crc_block: int
     library_version: str = ""
     version: int = FORMAT_VERSION
+    #: Whether the bytes this was parsed from carried a seal that matched (False for version 1).
+    sealed: bool = False
 
     def to_bytes(self) -> bytes:
+        """The sealed manifest file's bytes."""
         doc = {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -118,18 +134,27 @@ class Manifest:
             "containers": self.tree.containers,
             "entries": self.tree.entries,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
     def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:
-        """Parse and validate; raises :class:`CorruptCheckpointError` naming ``where``."""
+        """Check the seal, then parse and validate; raises :class:`CorruptCheckpointError`
+        naming ``where``.
+
+        A sealed manifest is trusted only after its SHA-256 matches. An unsealed one
+        is read only as version 1 (written before seals existed): a sealed manifest
+        whose seal a flipped bit broke still says version 2 and is refused, so damage
+        can never downgrade a manifest to the unchecked path."""
+        data = bytes(data)
+        sealed = is_sealed(data)
+        body = unseal(data, where, fix=DAMAGED_FIX) if sealed else data
 
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
 
         try:
             # the writer emits strict UTF-8 JSON: no other encoding, no NaN/Infinity literals
-            doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+            doc = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
             raise bad(f"not valid JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -141,6 +166,11 @@ class Manifest:
             raise CorruptCheckpointError(
                 f"{where}: format version {version} is newer than this shardpoint reads ({FORMAT_VERSION}); "
                 "upgrade shardpoint to load this checkpoint"
+            )
+        if not sealed and (version != UNSEALED_VERSION or "seal" in doc):
+            raise CorruptCheckpointError(
+                f"{where}: has no valid seal, which a version-{version} manifest must have (only version "
+                f"{UNSEALED_VERSION} has none): the file is damaged and nothing in it was used. {DAMAGED_FIX}"
             )
         ws = doc.get("world_size")
         if not isinstance(ws, int) or isinstance(ws, bool) or not 1 <= ws <= 1 << 24:
@@ -169,6 +199,7 @@ class Manifest:
         return cls(
             world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
             files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
+            sealed=sealed,
         )
 
 
