@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import threading
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -13,13 +15,18 @@ import torch
 
 from . import _save
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
-from .errors import CorruptCheckpointError, ShardpointError
+from .errors import CorruptCheckpointError
+from .format.digest import is_sealed, seal, unseal
 from .format.manifest import MANIFEST_NAME, Manifest
 from .report import LoadReport
 from .storage import Storage, storage_for
 
 _STEP = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
+#: The only unsealed ``latest`` read (as written before seals): one step folder name, an optional newline.
+#: A sealed pointer starts with '{"seal":' and is ~100 bytes, so no single flipped bit turns it into this.
+_LEGACY_LATEST = re.compile(rb"step-\d{1,20}\n?")
+_EPOCH = datetime.fromtimestamp(0, tz=timezone.utc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +38,21 @@ class CheckpointInfo:
     time: datetime
     size: int
     world_size: int
+    damaged: str | None = None
+    """None for a sound checkpoint; else why its manifest cannot be trusted (then
+    ``time`` is the epoch and ``size`` and ``world_size`` are 0: unknown)."""
 
 
 class CheckpointManager:
     """Saves numbered checkpoints under ``root`` and finds them again.
 
     ``save(state, step)`` writes ``root/step-<step, 8 digits>/`` (collective, with
-    the core's commit rule) and then points ``root/latest`` at it. Only committed
-    checkpoints (with a manifest) are ever listed, restored or kept.
+    the core's commit rule) and then points ``root/latest`` at it (a sealed
+    pointer: a flipped bit in it is an error, never another step). Only committed
+    checkpoints (with a manifest) are ever listed, restored or kept. A damaged
+    ``latest`` or a damaged manifest of the checkpoint to resume from makes
+    :meth:`latest` and :meth:`restore` raise :class:`CorruptCheckpointError`;
+    ``restore(state, fallback=True)`` resumes from the previous sound one instead.
 
     Args:
         root: a directory or URL.
@@ -84,40 +98,72 @@ class CheckpointManager:
         if not m:
             return None
         sub = self.storage.child(name)
-        try:
-            if not sub.exists(MANIFEST_NAME):
-                return None
-            man = Manifest.parse(bytes(sub.read(MANIFEST_NAME)), where=f"{sub.url}/{MANIFEST_NAME}")
-        except CorruptCheckpointError:
+        if not sub.exists(MANIFEST_NAME):
             return None
+        try:
+            man = Manifest.parse(bytes(sub.read(MANIFEST_NAME)), where=f"{sub.url}/{MANIFEST_NAME}")
+        except (CorruptCheckpointError, OSError) as e:
+            return CheckpointInfo(step=int(m.group(1)), path=sub.url, time=_EPOCH, size=0, world_size=0,
+                                  damaged=str(e))
         return CheckpointInfo(
             step=int(m.group(1)), path=sub.url, time=datetime.fromtimestamp(man.created, tz=timezone.utc),
             size=sum(f["size"] for f in man.files.values()), world_size=man.world_size,
         )
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest step first."""
+        """Committed checkpoints (those with a manifest), oldest step first. One whose
+        manifest is damaged is listed too, with ``damaged`` saying why."""
         out = [i for i in (self._info(n) for n in self.storage.list_dirs()) if i is not None]
         return sorted(out, key=lambda i: i.step)
+
+    def _read_latest(self) -> str | None:
+        """The step folder ``latest`` names, or None when there is no ``latest``.
+        Raises CorruptCheckpointError when it is damaged."""
+        if not self.storage.exists(LATEST):
+            return None
+        where = f"{self.root}/{LATEST}"
+        fix = (f"Resume from the newest sound checkpoint with restore(state, fallback=True), or pick one with "
+               f"restore(state, step=N) (N from list()); deleting {where} makes latest() the highest committed step.")
+        data = bytes(self.storage.read(LATEST))
+        if not is_sealed(data):
+            if _LEGACY_LATEST.fullmatch(data):  # written by a shardpoint without seals
+                return data.decode().strip()
+            raise CorruptCheckpointError(f"{where}: not a checkpoint pointer (no valid seal): the file is damaged. {fix}")
+        try:
+            name = json.loads(unseal(data, where, fix=fix))["latest"]
+        except (ValueError, KeyError, TypeError):
+            name = None
+        if not isinstance(name, str) or not _STEP.match(name):
+            raise CorruptCheckpointError(f"{where}: its seal matches but it names no step folder. {fix}")
+        return name
+
+    def _resume_point(self) -> CheckpointInfo | None:
+        """What :meth:`latest` returns; raises CorruptCheckpointError naming the file."""
+        name = self._read_latest()
+        info = self._info(name) if name is not None else None
+        if info is None:  # no latest, or it names a folder with no manifest (deleted by hand)
+            found = self.list()
+            info = found[-1] if found else None
+        if info is not None and info.damaged:
+            raise CorruptCheckpointError(f"the checkpoint to resume from, step {info.step}, is damaged: {info.damaged}")
+        return info
 
     def latest(self) -> CheckpointInfo | None:
         """The checkpoint to resume from: the one ``latest`` names if it is committed
         (so a rolled-back run that saved step 200 beside an old step 500 resumes from
-        200), else the highest committed step, else None."""
-        try:
-            if self.storage.exists(LATEST):
-                name = bytes(self.storage.read(LATEST)).decode().strip()
-                info = self._info(name) if _STEP.match(name) else None
-                if info is not None:
-                    return info
-        except (ShardpointError, OSError, UnicodeDecodeError):
-            pass
-        found = self.list()
-        return found[-1] if found else None
+        200), else the highest committed step, else None.
+
+        Raises:
+            CorruptCheckpointError: ``latest`` is damaged, or the checkpoint it names
+                (or the highest one) has a damaged manifest. Nothing is guessed:
+                ``restore(state, fallback=True)`` takes the previous sound one.
+        """
+        return self._resume_point()
 
     def has_checkpoint(self) -> bool:
-        """Whether ``root`` holds at least one committed checkpoint."""
-        return self.latest() is not None
+        """Whether ``root`` holds at least one committed checkpoint (sound or damaged:
+        :meth:`restore` then says which)."""
+        return bool(self.list())
 
     # -- save -----------------------------------------------------------------------
     def save(self, state: Any, step: int, *, blocking: bool = True) -> Any:
@@ -133,7 +179,7 @@ class CheckpointManager:
         target = self.storage.child(name)
 
         def after_commit() -> None:
-            self.storage.write_atomic(LATEST, name.encode())
+            self.storage.write_atomic(LATEST, seal(json.dumps({"latest": name}, separators=(",", ":")).encode()))
             self._retain(newest=step)
 
         token = _save.after_commit_hook.set(after_commit)
@@ -185,13 +231,30 @@ class CheckpointManager:
         only: list[str] | str | None = None,
         exclude: list[str] | str | None = None,
         strict: bool = True,
+        fallback: bool = False,
     ) -> LoadReport | None:
         """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
         Collective. Returns None, touching nothing, when there is no checkpoint (and
         raises :class:`CheckpointNotFoundError` when an explicit ``step`` is absent).
-        The report's ``step`` says which step was loaded."""
+        The report's ``step`` says which step was loaded.
+
+        Args:
+            fallback: when ``latest`` or the manifest of the checkpoint to resume from
+                is damaged, load the newest sound checkpoint before it (any sound one
+                when ``latest`` itself is damaged) with a warning, instead of raising.
+
+        Raises:
+            CorruptCheckpointError: (without ``fallback``) ``latest`` or the manifest of
+                the checkpoint to resume from (or of ``step``) is damaged; the message
+                names the file. Also everything :func:`shardpoint.load` raises.
+        """
         if step is None:
-            info = self.latest()
+            try:
+                info = self._resume_point()
+            except CorruptCheckpointError as e:
+                if not fallback:
+                    raise
+                info = self._fallback(e)
             if info is None:
                 return None
         else:
@@ -202,11 +265,30 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint for step {step} under {self.root}; committed steps: {[i.step for i in self.list()]}"
                 )
+            if info.damaged:
+                raise CorruptCheckpointError(f"step {step} is damaged: {info.damaged}")
         report = load(state, self.storage.child(self.step_dir(info.step)), only=only, exclude=exclude, strict=strict,
                       process_group=self.process_group, timeout=self.timeout)
         report.step = info.step
         self._restored = info.step
         return report
+
+    def _fallback(self, error: CorruptCheckpointError) -> CheckpointInfo:
+        """The newest sound checkpoint older than the damaged one to resume from
+        (the newest sound one when ``latest`` itself is damaged)."""
+        try:
+            name = self._read_latest()
+        except CorruptCheckpointError:
+            name = None
+        found = self.list()
+        target = self._info(name) if name is not None else None
+        if target is None:
+            target = found[-1] if found else None
+        sound = [i for i in found if not i.damaged and (target is None or not target.damaged or i.step < target.step)]
+        if not sound:
+            raise CorruptCheckpointError(f"{error}; no sound checkpoint to fall back to under {self.root}") from error
+        warnings.warn(f"{error}; falling back to step {sound[-1].step}", stacklevel=3)
+        return sound[-1]
 
     # -- preemption -----------------------------------------------------------------
     def handle_signals(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
