@@ -99,6 +99,77 @@ def test_latest_ignores_uncommitted_folders(tmp_path) -> None:  # type: ignore[n
         mgr.restore(shardpoint.TrainState(model=filled(0.0), rng=False), step=9)
 
 
+def _flip(path, byte: int) -> None:  # type: ignore[no-untyped-def]
+    raw = bytearray(path.read_bytes())
+    raw[byte] ^= 0x04
+    path.write_bytes(bytes(raw))
+
+
+def _restored_step(mgr: shardpoint.CheckpointManager, **kw) -> int:  # type: ignore[no-untyped-def]
+    m = filled(0.0)
+    report = mgr.restore(shardpoint.TrainState(model=m, rng=False, step=0), **kw)
+    assert torch.all(m.weight == report.step)
+    return report.step
+
+
+def test_latest_is_sealed_and_a_legacy_latest_is_still_read(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    _save_step(mgr, 1)
+    _save_step(mgr, 2)
+    raw = (tmp_path / "latest").read_bytes()
+    assert raw.startswith(b'{"seal":"sha256:') and b'"latest":"step-00000002"' in raw
+    for legacy in (b"step-00000001", b"step-00000001\n"):  # as written before pointers were sealed
+        (tmp_path / "latest").write_bytes(legacy)
+        assert mgr.latest().step == 1 and _restored_step(mgr) == 1
+    (tmp_path / "latest").write_bytes(b"step-00000001 junk")
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="latest: not a checkpoint pointer"):
+        mgr.latest()
+
+
+def test_damaged_latest_is_an_error_unless_fallback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        _save_step(mgr, step)
+    (tmp_path / "latest").write_bytes(b'{"seal":"sha256:' + b"0" * 64 + b'","latest":"step-00000002"}')
+    for call in (mgr.latest, lambda: _restored_step(mgr)):
+        with pytest.raises(shardpoint.CorruptCheckpointError, match=r"latest: checksum mismatch.*fallback=True"):
+            call()
+    assert mgr.has_checkpoint() and [i.step for i in mgr.list()] == [1, 2, 3]
+    with pytest.warns(UserWarning, match="falling back to step 3"):
+        assert _restored_step(mgr, fallback=True) == 3  # latest is unreadable: the newest sound step
+    _save_step(mgr, 4)  # a save writes a sound pointer again
+    assert mgr.latest().step == 4
+
+
+def test_damaged_newest_manifest_is_an_error_unless_fallback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    for step in (100, 500, 200):  # rolled back to 100, then saved 200: latest names 200
+        _save_step(mgr, step)
+    _flip(tmp_path / "step-00000200" / "manifest.json", 300)
+    with pytest.raises(shardpoint.CorruptCheckpointError, match=r"step 200 is damaged: .*step-00000200/manifest.json"):
+        mgr.latest()
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="step-00000200/manifest.json: checksum mismatch"):
+        _restored_step(mgr)
+    infos = mgr.list()
+    assert [(i.step, i.damaged is not None) for i in infos] == [(100, False), (200, True), (500, False)]
+    assert "checksum mismatch" in infos[1].damaged and infos[1].size == 0
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="step 200 is damaged"):
+        _restored_step(mgr, step=200)
+    with pytest.warns(UserWarning, match="falling back to step 100"):
+        assert _restored_step(mgr, fallback=True) == 100  # the step before 200, not the abandoned 500
+    assert _restored_step(mgr, step=500) == 500
+    # without latest, the highest step is the one to resume from
+    (tmp_path / "latest").unlink()
+    _flip(tmp_path / "step-00000500" / "manifest.json", 300)
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="step 500 is damaged"):
+        _restored_step(mgr)
+    with pytest.warns(UserWarning, match="falling back to step 100"):
+        assert _restored_step(mgr, fallback=True) == 100
+    _flip(tmp_path / "step-00000100" / "manifest.json", 300)
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="no sound checkpoint to fall back to"):
+        _restored_step(mgr, fallback=True)
+
+
 def _trained():  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

@@ -145,7 +145,7 @@ class CheckpointManager:
             found = self.list()
             info = found[-1] if found else None
         if info is not None and info.damaged:
-            raise CorruptCheckpointError(f"the checkpoint to resume from, step {info.step}, is damaged: {info.damaged}")
+            raise CorruptCheckpointError(f"cannot resume: step {info.step} is damaged: {info.damaged}")
         return info
 
     def latest(self) -> CheckpointInfo | None:
