@@ -6,13 +6,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardpoint.format.digest import SEAL_HEADER_LEN, is_sealed, seal
+
 
 def manifest(path: Path) -> dict[str, Any]:
+    """The manifest as a dict (its ``seal`` member included: a sealed manifest is JSON)."""
     return json.loads((path / "manifest.json").read_text())
 
 
+def sealed(doc: Any) -> bytes:
+    """A manifest document (a dict, or JSON text/bytes of an object) sealed again
+    after an edit, so that it reaches the parser behind the seal: its old ``seal``
+    member is dropped and a matching one put first."""
+    if isinstance(doc, dict):
+        doc = json.dumps({k: v for k, v in doc.items() if k != "seal"})
+    raw = doc.encode() if isinstance(doc, str) else bytes(doc)
+    if is_sealed(raw):  # JSON text still carrying the old seal
+        raw = b"{" + raw[SEAL_HEADER_LEN:]
+    return seal(raw)
+
+
 def write_manifest(path: Path, doc: Any, *, raw: bytes | None = None) -> None:
-    (path / "manifest.json").write_bytes(raw if raw is not None else json.dumps(doc).encode())
+    """Write ``doc`` as the manifest, sealed (or ``raw`` bytes as they are)."""
+    (path / "manifest.json").write_bytes(raw if raw is not None else sealed(doc))
 
 
 def chunks(path: Path, key: str, rank: int | None = None) -> list[dict[str, Any]]:

@@ -3,6 +3,11 @@
 (``verify`` may report problems instead), nothing hangs, and nothing outside the
 checkpoint directory is opened.
 
+A manifest is sealed (``format/digest.py``), so a damaged one never reaches the
+parser. A hostile one can be sealed on purpose, so these cases seal each edited
+manifest again (``_util.sealed``) to test the parser behind the seal; a few
+cases (``seal-*``, ``unsealed``) attack the seal itself.
+
 Every call runs in a sandbox worker process with a hard time bound (see
 ``_sandbox.py``); a call that blocks, say on opening a FIFO, fails the test as
 ``Hung`` instead of stalling the suite."""
@@ -23,8 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardpoint.format.digest import SEAL_HEADER_LEN, seal
 from tests.failure._sandbox import Sandbox
-from tests.failure._util import manifest
+from tests.failure._util import manifest, sealed
 
 OUTSIDE = "outside.safetensors"  # a FIFO beside the checkpoint directory, where '../' names point
 
@@ -98,6 +104,24 @@ def _compact(m: dict[str, Any]) -> str:
     return json.dumps(m, separators=(",", ":"))
 
 
+def _seal_as(m: dict[str, Any], hexd: bytes, prefix: bytes = b'{"seal":"sha256:') -> bytes:
+    """``m`` behind a seal with the given (wrong) digest text."""
+    return prefix + hexd + b'",' + _compact(m).encode()[1:]
+
+
+def _seal_last(m: dict[str, Any]) -> bytes:
+    """A correct digest of the body, but as the last member instead of the first."""
+    body = _compact(m).encode()
+    return body[:-1] + b',"seal":"' + seal(body)[9:SEAL_HEADER_LEN - 2] + b'"}'
+
+
+def _seal_of_other(m: dict[str, Any]) -> bytes:
+    """The seal of another manifest (step 8 instead of 7) on this one."""
+    other = copy.deepcopy(m)
+    other["entries"]["step"]["value"] = ["int", "8"]
+    return seal(_compact(other).encode())[:SEAL_HEADER_LEN] + _compact(m).encode()[1:]
+
+
 # each case edits the manifest dict (or returns raw bytes to write instead)
 CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "dotdot-file": lambda m: _rename_file(m, f"../{OUTSIDE}"),
@@ -166,7 +190,27 @@ CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "json-array": lambda m: b"[1, 2, 3]",
     "lone-surrogate-key": lambda m: _compact(m).replace('"model/b"', '"model/\\ud800"').encode(),
     "utf16": lambda m: json.dumps(m).encode("utf-16"),
+    # the seal itself (these are written as they are, not sealed again)
+    "unsealed": lambda m: _compact(m).encode(),
+    "seal-wrong-digest": lambda m: _seal_as(m, b"0" * 64),
+    "seal-not-hex": lambda m: _seal_as(m, b"g" * 64),
+    "seal-upper-case": lambda m: _seal_as(m, seal(_compact(m).encode())[16:80].upper()),
+    "seal-short": lambda m: _seal_as(m, b"abc"),
+    "seal-other-algorithm": lambda m: _seal_as(m, b"0" * 32, prefix=b'{"seal":"md5:'),
+    "seal-not-first": _seal_last,
+    "seal-of-another-manifest": _seal_of_other,
+    "seal-of-nothing": lambda m: seal(b'{"x":1}')[:SEAL_HEADER_LEN],
 }
+#: Cases written as they are: the seal is what they test.
+UNSEALED = {c for c in CASES if c == "unsealed" or c.startswith("seal-")}
+
+
+def _sealed_if_possible(raw: bytes) -> bytes:
+    """``raw`` sealed when it is the text of a JSON object (a seal needs one), else as is."""
+    try:
+        return sealed(raw)
+    except ValueError:
+        return raw
 
 
 #: Cases that are odd but not damage: verify may call them OK.
@@ -206,13 +250,22 @@ def test_fifo_would_block() -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile_manifest(case: str, hostile: Path, sandbox: Sandbox) -> None:
     m = manifest(hostile)
+    del m["seal"]
     raw = CASES[case](m)
     if case == "absolute-path":
         raw = json.dumps(m).replace('"ABSOLUTE"', json.dumps(str(hostile.parent / OUTSIDE))).encode()
-    (hostile / "manifest.json").write_bytes(raw if isinstance(raw, bytes) else json.dumps(m).encode())
+    data = raw if isinstance(raw, bytes) else json.dumps(m).encode()
+    written = data if case in UNSEALED else _sealed_if_possible(data)
+    (hostile / "manifest.json").write_bytes(written)
     results = sandbox.run(str(hostile))
     assert raw is None or json.dumps(m).encode() != raw, "the case changed nothing"
     check_outcomes(results, damaged=case not in BENIGN)
+    for call in ("load", "load_full", "metadata"):
+        msg = results[call].get("message", "")
+        if case in UNSEALED:  # refused at the seal, before the parser
+            assert not results[call]["ok"] and ("seal" in msg or "SHA-256" in msg), msg
+        elif written != data:  # sealed again: the parser, not the seal, decided
+            assert "seal" not in msg and "SHA-256" not in msg, msg
     # a '../' or absolute name is refused before any I/O, so the FIFO was never opened
     if case in ("dotdot-file", "dotdot-nested", "absolute-path"):
         for call in ("load", "load_full", "metadata"):
@@ -302,6 +355,12 @@ def mutated_manifests(draw: Any, base: dict[str, Any]) -> bytes:
     if draw(st.integers(0, 9)) == 0:  # now and then, damage the bytes instead of the structure
         i = draw(st.integers(0, len(raw) - 1))
         raw = raw[:i] + bytes([draw(st.integers(0, 255))]) + raw[i + draw(st.integers(0, 2)) :]
+    how = draw(st.sampled_from(["seal"] * 8 + ["seal, then damage", "unsealed"]))
+    if how != "unsealed":  # sealed again, the mutation reaches the parser
+        raw = _sealed_if_possible(raw)
+    if how == "seal, then damage":
+        i = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + bytes([raw[i] ^ (1 << draw(st.integers(0, 7)))]) + raw[i + 1 :]
     return raw
 
 
@@ -313,6 +372,7 @@ def test_generated_hostile_manifests(_sample_master: Path, tmp_path_factory: pyt
     shutil.copytree(_sample_master, work)
     os.mkfifo(work.parent / OUTSIDE)
     base = manifest(work)
+    del base["seal"]
 
     @settings(max_examples=_EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
