@@ -19,6 +19,7 @@ import shardpoint
 from shardpoint import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, ShardpointError
 from shardpoint.layout import FlatShard
 from shardpoint.tree import walk
+from tests.failure._util import sealed
 
 # dtypes safetensors names; the rest are stored as raw bytes ("U8") with the true dtype in the manifest
 SAFETENSORS_DTYPES = [
@@ -380,7 +381,7 @@ def test_load_full_keys_and_metadata(tmp_path: Path) -> None:
     assert torch.equal(part["model"]["w"], state["model"]["w"])
     assert shardpoint.load_full(tmp_path / "ckpt", keys="rng") == {"rng": {0: {"seed": 7}}}
     meta = shardpoint.metadata(tmp_path / "ckpt")
-    assert meta.world_size == 1 and meta.version == 1
+    assert meta.world_size == 1 and meta.version == shardpoint.format.FORMAT_VERSION
     assert sorted(meta.tensors) == ["model/b", "model/w", "model_ema/w", "optim/state/w/exp_avg"]
     w = meta.tensors["model/w"]
     assert w.shape == (4, 3) and w.dtype == torch.float32 and w.chunks == (((0, 0), (4, 3)),) and w.nbytes == 48
@@ -488,10 +489,10 @@ def test_newer_format_version_is_refused_clearly(tmp_path: Path) -> None:
     p = tmp_path / "ckpt"
     shardpoint.save({"w": torch.ones(3)}, p)
     doc = json.loads((p / "manifest.json").read_text())
-    doc["version"] = 2
-    (p / "manifest.json").write_text(json.dumps(doc))
+    doc["version"] = 3
+    (p / "manifest.json").write_bytes(sealed(doc))
     for call in (lambda: shardpoint.load({"w": torch.zeros(3)}, p), lambda: shardpoint.load_full(p), lambda: shardpoint.metadata(p)):
-        with pytest.raises(ShardpointError, match="format version 2 is newer than this shardpoint reads.*upgrade shardpoint"):
+        with pytest.raises(ShardpointError, match="format version 3 is newer than this shardpoint reads.*upgrade shardpoint"):
             call()
 
 

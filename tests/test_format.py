@@ -5,6 +5,7 @@ and a manifest; block checksums; hostile manifests are refused."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import json
 import math
@@ -21,6 +22,7 @@ import torch
 import shardpoint
 from shardpoint import CorruptCheckpointError
 from shardpoint.layout import FlatShard
+from tests.failure._util import sealed
 
 # --- a reader written from docs/format.md alone (json, struct, zlib; no shardpoint) --------
 
@@ -141,8 +143,12 @@ def doc_tree(root: Path, containers: dict, entries: dict, block: int, files: dic
 
 
 def doc_read(root: Path) -> Any:
-    m = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
-    assert m["format"] == "shardpoint" and m["version"] == 1
+    raw = (root / "manifest.json").read_bytes()
+    m = json.loads(raw.decode("utf-8"))
+    assert m["format"] == "shardpoint" and m["version"] in (1, 2)
+    if m["version"] >= 2:  # the seal: SHA-256 of the document without its first member
+        assert raw[:16] == b'{"seal":"sha256:' and raw[80:82] == b'",'
+        assert hashlib.sha256(b"{" + raw[82:]).hexdigest() == raw[16:80].decode()
     assert m["checksum"]["algorithm"] == "crc32"
     for name, info in m["files"].items():
         assert (root / name).stat().st_size == info["size"] and 0 <= info["rank"] < m["world_size"]
@@ -228,9 +234,12 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
     data = struct.pack("<2f", 1.0, -2.0)
     assert raw == struct.pack("<Q", len(header)) + header + data
     assert m["files"] == {fname: {"size": len(raw), "rank": 0}}
-    assert sorted(m) == sorted(["format", "version", "library_version", "created", "world_size", "save_id", "checksum",
-                                "files", "containers", "entries"])
-    assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 1, 1)
+    assert sorted(m) == sorted(["seal", "format", "version", "library_version", "created", "world_size", "save_id",
+                                "checksum", "files", "containers", "entries"])
+    assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 2, 1)
+    text = (p / "manifest.json").read_bytes()
+    body = b'{"format":"shardpoint","version":2,' + text.split(b'"version":2,', 1)[1]
+    assert text == b'{"seal":"sha256:' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
     assert m["library_version"] == shardpoint.__version__
     assert m["checksum"] == {"algorithm": "crc32", "block_size": 1 << 20}
     assert m["containers"] == {"": "dict"}
@@ -288,7 +297,7 @@ def _damaged(tmp_path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
         (p / "good.json").write_bytes((p / "manifest.json").read_bytes())
     m = json.loads((p / "good.json").read_text())
     edit(m)
-    (p / "manifest.json").write_text(json.dumps(m))
+    (p / "manifest.json").write_bytes(sealed(m))
     return p
 
 

@@ -139,7 +139,12 @@ class CheckpointManager:
 
     def _resume_point(self) -> CheckpointInfo | None:
         """What :meth:`latest` returns; raises CorruptCheckpointError naming the file."""
-        name = self._read_latest()
+        try:
+            name = self._read_latest()
+        except CorruptCheckpointError:
+            if not self.list():  # a damaged pointer to nothing: there is nothing to resume from
+                return None
+            raise
         info = self._info(name) if name is not None else None
         if info is None:  # no latest, or it names a folder with no manifest (deleted by hand)
             found = self.list()

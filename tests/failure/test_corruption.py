@@ -17,7 +17,7 @@ from shardpoint.format.datafile import CRC_BLOCK
 from shardpoint.verify import main as verify_main
 from shardpoint.verify import verify
 from tests.failure._sample import expected, template
-from tests.failure._util import chunks, files_with, flip_bit, manifest
+from tests.failure._util import chunks, files_with, flip_bit, manifest, sealed
 
 
 def _all_chunk_bytes(path: Path) -> int:
@@ -185,7 +185,7 @@ def test_manifest_chunk_not_in_header_is_reported(sample: Path) -> None:
     m = manifest(sample)
     c = m["entries"]["model/b"]["chunks"][0]
     c["offset"] -= 4
-    (sample / "manifest.json").write_text(__import__("json").dumps(m))
+    (sample / "manifest.json").write_bytes(sealed(m))
     res = verify(sample)
     assert res.damaged_keys == ["model/b"] and "does not declare" in str(res.problems)
     with pytest.raises(CorruptCheckpointError, match="model/b"):

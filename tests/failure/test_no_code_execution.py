@@ -21,7 +21,7 @@ import torch
 
 import shardpoint
 from tests.failure._sandbox import Sandbox
-from tests.failure._util import manifest
+from tests.failure._util import manifest, sealed
 
 PAYLOAD_NAMES = [".metadata", "data.pkl", "__0_0.distcp", "model.pt", "mp_rank_00_model_states.pt", "latest"]
 
@@ -99,7 +99,7 @@ def test_manifest_names_a_pickle_as_data(sample: Path, marker: Path, sandbox: Sa
     old = sorted(m["files"])[0]
     m["files"][target] = m["files"].pop(old)
     text = json.dumps(m).replace(json.dumps(old), json.dumps(target))
-    (sample / "manifest.json").write_text(text)
+    (sample / "manifest.json").write_bytes(sealed(text))
     results = sandbox.run(str(sample), verify=verify)
     _assert_clean(results, marker)
     assert not results["load_full"]["ok"] and results["load_full"]["type"] == "CorruptCheckpointError"
