@@ -23,6 +23,7 @@ import torch
 from ._load import IO_THREADS, _validate_saved, read_manifest
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.datafile import crc32, dtype_from_name
+from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest
 from .storage import Storage, storage_for
 
@@ -70,6 +71,10 @@ class VerifyResult:
     """Tensor bytes re-read and found to match their checksums."""
     unlisted: list[str] = field(default_factory=list)
     """Files in the checkpoint that the manifest does not name (leftovers; not damage)."""
+    seal: str | None = None
+    """The manifest's seal: ``"verified"`` (its SHA-256 matched), ``"absent"`` (a
+    version-1 manifest has none, so damage to it cannot be detected), or None when
+    the manifest could not be read (``problems`` says why)."""
 
     @property
     def ok(self) -> bool:
@@ -93,6 +98,11 @@ class VerifyResult:
             lines += [f"  {p}" for p in self.problems]
             lines.append(f"damaged files: {', '.join(self.damaged_files) or '-'}")
             lines.append(f"damaged keys: {', '.join(self.damaged_keys) or '-'}")
+        if self.seal == "verified":
+            lines.append(f"manifest seal: verified ({ALGORITHM})")
+        elif self.seal == "absent":
+            lines.append("manifest seal: absent (format version 1 has none: damage to the manifest itself cannot be "
+                         "detected; load it and save it again for a sealed copy)")
         if self.unlisted:
             lines.append(f"note: {len(self.unlisted)} file(s) not named by the manifest (ignored): {', '.join(self.unlisted[:10])}")
         return "\n".join(lines)
@@ -101,7 +111,7 @@ class VerifyResult:
 def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) -> VerifyResult:
     """Re-read every chunk of the checkpoint at ``path`` and check it.
 
-    Checks: the manifest parses and is self-consistent (chunks tile each tensor,
+    Checks: the manifest's seal (its SHA-256; ``result.seal``), that it parses and is self-consistent (chunks tile each tensor,
     byte lengths match shapes and dtypes); every listed file is present with the
     size the manifest records and a sound safetensors header whose tensors are
     the manifest's chunks; every block of every chunk matches its CRC-32.
@@ -122,6 +132,7 @@ def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) ->
     except (CorruptCheckpointError, OSError) as e:
         res.problems.append(Problem(file=MANIFEST_NAME, key=None, reason=str(e)))
         return res
+    res.seal = "verified" if manifest.sealed else "absent"
     sizes = _check_files(storage, manifest, res)
     jobs: list[Callable[[], tuple[int, Problem | None]]] = []
     for key, rank, entry in _tensor_entries(manifest):

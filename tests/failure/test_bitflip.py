@@ -216,3 +216,17 @@ def test_data_file_header_is_not_trusted(ckpt: Path) -> None:
             assert _same(shardpoint.load_full(ckpt), want)
     print(f"\nsafetensors headers: {tried} single-bit flips through load_full, every load exact")
     assert tried == 2 * 364
+
+
+def test_verify_reports_the_seal(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardpoint.verify import main, verify
+
+    res = verify(ckpt)
+    assert res.ok and res.seal == "verified" and "manifest seal: verified (sha256)" in res.summary()
+    v1 = Path(__file__).parent.parent / "data" / "v1"
+    assert main([str(v1)]) == 0
+    assert "manifest seal: absent (format version 1 has none" in capsys.readouterr().out
+    for _ in _flips(ckpt / "manifest.json", [8 * 500 + 2]):
+        res = verify(ckpt)
+        assert res.seal is None and res.damaged_files == ["manifest.json"]
+        assert "checksum mismatch" in res.problems[0].reason
