@@ -124,7 +124,10 @@ class CheckpointManager:
         where = f"{self.root}/{LATEST}"
         fix = (f"Resume from the newest sound checkpoint with restore(state, fallback=True), or pick one with "
                f"restore(state, step=N) (N from list()); deleting {where} makes latest() the highest committed step.")
-        data = bytes(self.storage.read(LATEST))
+        try:
+            data = bytes(self.storage.read(LATEST))
+        except OSError as e:
+            raise CorruptCheckpointError(f"{where}: cannot be read ({e}). {fix}") from e
         if not is_sealed(data):
             if _LEGACY_LATEST.fullmatch(data):  # written by a shardpoint without seals
                 return data.decode().strip()
