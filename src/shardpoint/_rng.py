@@ -90,10 +90,13 @@ class RngStreams:
     def after_load(self, report: LoadReport, rank: int) -> None:
         """Say in ``report.per_rank["rng/streams"]`` what happened on this rank:
         ``restored``, ``derived`` (seeded from :func:`derived_seed`) or ``not in checkpoint``."""
+        if self.rng is False:  # the saved streams (if any) were not applied
+            self._absent = False
+            report.per_rank.pop(KEY, None)
+            return
         if self._absent:
             self._absent = False
-            if self.rng is not False:
-                report.per_rank[KEY] = "not in checkpoint"
+            report.per_rank[KEY] = "not in checkpoint"
             return
         if self.rng is not False and report.per_rank.get(KEY) == "kept":
             seed = derived_seed(self.base_seed, rank)

@@ -104,9 +104,10 @@ class TrainState:
         return self._adapter[1]
 
     def _transient(self) -> tuple[str, ...]:
-        """Top-level parts whose created keys go nowhere (see ``Adapter.transient``)."""
+        """Top-level parts whose created keys go nowhere (see ``Adapter.transient``);
+        with ``rng=False`` the saved streams are left unused too."""
         ad = self.adapter()
-        return ad.transient if ad is not None else ()
+        return (ad.transient if ad is not None else ()) + (("rng",) if self.rng is False else ())
 
     # -- Stateful ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
