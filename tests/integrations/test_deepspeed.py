@@ -268,3 +268,17 @@ def test_dropout_resumes_bit_for_bit_on_the_same_ranks(tmp_path: os.PathLike) ->
     control = run_ds(_dropout_run, 2, path, True, False)
     assert [r["rng"] for r in control] == [None, None]  # rng=False: nothing restored, and the report says none was
     assert control[0]["losses"][0] != ref[0], (control[0]["losses"], ref)
+
+
+def test_deepspeeds_engine_subclasses_find_the_engine_adapter() -> None:
+    """The registry matches by class hierarchy: DeepSpeed's own subclasses of the
+    engine use its adapter, with no registration of their own."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from shardpoint.adapters import adapter_class
+    from shardpoint.integrations.deepspeed import EngineAdapter
+
+    for cls in (DeepSpeedEngine, PipelineEngine, DeepSpeedHybridEngine):
+        assert adapter_class(cls.__new__(cls)) is EngineAdapter, cls

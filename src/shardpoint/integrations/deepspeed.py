@@ -15,8 +15,11 @@ The keys are the training-state layout (``docs/format.md``)::
     scheduler/...                            engine.lr_scheduler.state_dict()
     engine/{global_steps,global_samples,skipped_steps}
     client/...                               client_state
+    rng/base_seed, rng/streams               every rank's RNG streams (per rank)
 
-DeepSpeed is imported lazily: importing this module never imports deepspeed.
+DeepSpeed is imported lazily: importing this module never imports deepspeed. The
+core finds :class:`EngineAdapter` through :mod:`shardpoint.adapters` by the engine's
+class name, so ``TrainState(model=engine)`` works without importing this module first.
 """
 
 from __future__ import annotations
