@@ -19,7 +19,7 @@ from .layout import chunks_of
 from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
 from .report import LoadReport
 from .storage import Storage
-from .tree import Node, PerRank, Walk, decode_key, join, matches_prefix
+from .tree import Node, PerRank, Walk, decode_key, encode_key, join, matches_prefix
 
 #: Threads that read and verify chunks in parallel.
 IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))
@@ -291,7 +291,7 @@ class TreeLoad:
         """The deepest local container above ``key``, unless a local leaf is in the way."""
         path = decode_key(key)
         for n in range(len(path) - 1, -1, -1):
-            k = "" if n == 0 else _enc_path(path[:n])
+            k = encode_key(path[:n])
             if k in self.walk.leaves or k in self.walk.per_rank:
                 return None
             if k in self.walk.containers:
@@ -350,13 +350,6 @@ class TreeLoad:
         if k == "tensor":
             return node.obj
         return self.values.get(key, node.obj)
-
-
-def _enc_path(path: tuple[Any, ...]) -> str:
-    out = ""
-    for s in path:
-        out = join(out, s)
-    return out
 
 
 def hollow_containers(tree: Tree, select: Callable[[str], bool] | None = None) -> dict[str, list[tuple[Any, str]]]:

@@ -38,7 +38,10 @@ def save_offline(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, wo
                 if ident not in seen_boxes:
                     seen_boxes.add(ident)
                     writer[i] = True
-            plan = _Plan([], {}, {}, {}, [0], ChunkTable(*(np.zeros(0, dtype=np.int64),) * 5), np.arange(n), writer, ~writer)
+            # every row's CRCs are recorded (the writer's too): whether a later rank holds the
+            # same box is not known yet, and check_replicas compares all holders of each box
+            plan = _Plan([], {}, {}, {}, [0], ChunkTable(*(np.zeros(0, dtype=np.int64),) * 5), np.arange(n), writer,
+                         np.ones(n, dtype=bool))
             fname = f"r{rank:05d}-{save_id}.safetensors"
             st = write_rank(storage, fname, local, plan, 0)
             if st["file"]:
@@ -50,8 +53,7 @@ def save_offline(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, wo
         from ._save import make_plan
 
         full = make_plan(metas)  # type: ignore[arg-type]
-        # row indices reported by write_rank are per rank; translate replica digests
-        check_replicas(full, statuses)  # type: ignore[arg-type]
+        check_replicas(full, statuses)  # the bytes of every replicated box, compared across its holders  # type: ignore[arg-type]
         manifest = build_manifest(full, metas, statuses, save_id)  # type: ignore[arg-type]
         storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
     except BaseException:

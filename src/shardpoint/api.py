@@ -24,13 +24,14 @@ from ._load import (
     read_manifest,
 )
 from ._save import _committed, _Local, after_commit_hook, describe, save_collective
+from .adapters import LoadHooks
 from .collective import Comm, agree
 from .errors import CorruptCheckpointError, ShardpointError
 from .format.datafile import dtype_from_name
 from .format.manifest import Tree, decode_value
 from .report import LoadReport
 from .storage import Storage, storage_for
-from .tree import decode_key, matches_prefix, walk
+from .tree import decode_key, matches_prefix
 
 PathLike = str | os.PathLike[str] | Storage
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -143,66 +144,84 @@ def load(
     comm.arrive("load", storage.url)
     select = _Selector(only, exclude)
     report = LoadReport()
+    hooks = LoadHooks()
+    # 1. every rank: read the manifest, let the owners prepare, check the keys (nothing modified yet)
     err: BaseException | None = None
     top: TreeLoad | None = None
     manifest = None
-    flags = torch.zeros(0, dtype=torch.uint8)
-    names: list[str] = []
     try:
         manifest = read_manifest(storage)
         report.world_size = manifest.world_size
-        prepare = getattr(state, "_shardpoint_prepare_load", None)
-        if prepare is not None:  # TrainState: create lazily-absent optimizer state first
-            prepare(manifest.tree.entries, select)
-        try:
-            w = walk(state)
-        except TypeError as e:
-            raise ShardpointError(str(e)) from None
-        top = TreeLoad(w, manifest.tree, select, report, rank=comm.rank)
-        top.check(strict)
-        names = sorted(manifest.tree.entries)
-        local = set(w.leaves) | set(w.per_rank)
-        flags = torch.tensor([1 if k in local else 0 for k in names], dtype=torch.uint8)
-    except Exception as e:  # noqa: BLE001
+        top = _prepare(state, manifest, select, report, strict, comm.rank, hooks)
+    except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
     agree(comm, None, err)
     assert top is not None and manifest is not None
-    held_flags = comm.any_true(flags)
-    held = {k for k, f in zip(names, held_flags.tolist()) if f}
-    reader = Reader(storage, manifest.crc_block, verify)
-    loads = [top]
+    # 2. which checkpoint keys some rank of this job holds (the rest may be created)
+    held = _held_anywhere(comm, top, manifest)
+    # 3. every rank: read its share, fill in place, let the owners settle
     try:
-        top.plan(reader, lambda k: k in held, create)
-        for key, entry in manifest.tree.entries.items():
-            if entry["kind"] != "per_rank" or not select(key):
-                continue
-            if key in top.walk.per_rank:
-                loads += load_per_rank(key, top.walk.per_rank[key], entry, comm.rank, select, reader, report, strict, create)
-        try:
-            reader.run()
-        except CorruptCheckpointError:
-            if not _committed(storage, manifest.save_id):
-                raise ShardpointError(
-                    f"the checkpoint at {storage.url} was replaced or removed while this load read it (a save "
-                    "with overwrite=True, or retention, deleted the files this load was reading); nothing is "
-                    "damaged. Load again (the targets may be partly filled)"
-                ) from None
-            raise
-        report.bytes_read = reader.bytes_read
-        for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
-            _fill_per_rank(top.walk, tl)
-        top.fill(top.walk.root, "")
-        after = getattr(state, "_shardpoint_after_load", None)
-        if after is not None:
-            after(report, comm.rank)
+        _read_and_fill(top, manifest, storage, select, report, strict, create, verify, held, comm.rank)
+        hooks.after_load(report, comm.rank)
         err = None
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, None, err)
-    loaded = getattr(state, "_shardpoint_loaded", None)
-    if loaded is not None:  # collective follow-up (DeepSpeed refreshes its low-precision weights), only on success
-        loaded()
+    # 4. only once every rank succeeded: the owners' collective follow-up (DeepSpeed's weight refresh)
+    hooks.loaded()
     return report.sort()
+
+
+def _prepare(state: Any, manifest: Any, select: _Selector, report: LoadReport, strict: bool, rank: int,
+             hooks: LoadHooks) -> TreeLoad:
+    """The owners' prepare hooks, the walk of the local state and the key check."""
+    try:
+        w = hooks.prepare(state, manifest.tree.entries, select)
+    except TypeError as e:  # the walk names the key that cannot be saved
+        raise ShardpointError(str(e)) from None
+    top = TreeLoad(w, manifest.tree, select, report, rank=rank)
+    top.check(strict)
+    return top
+
+
+def _held_anywhere(comm: Comm, top: TreeLoad, manifest: Any) -> set[str]:
+    """The checkpoint keys that some rank's local state holds (collective)."""
+    names = sorted(manifest.tree.entries)
+    local = set(top.walk.leaves) | set(top.walk.per_rank)
+    flags = comm.any_true(torch.tensor([1 if k in local else 0 for k in names], dtype=torch.uint8))
+    return {k for k, f in zip(names, flags.tolist()) if f}
+
+
+def _read_and_fill(top: TreeLoad, manifest: Any, storage: Storage, select: _Selector, report: LoadReport,
+                   strict: bool, create: bool, verify: bool, held: set[str], rank: int) -> None:
+    """Plan this rank's reads (its tree and its per-rank values), read them verified,
+    and place every value; Stateful objects get ``load_state_dict``."""
+    reader = Reader(storage, manifest.crc_block, verify)
+    top.plan(reader, held.__contains__, create)
+    loads = [top]
+    for key, entry in manifest.tree.entries.items():
+        if entry["kind"] == "per_rank" and select(key) and key in top.walk.per_rank:
+            loads += load_per_rank(key, top.walk.per_rank[key], entry, rank, select, reader, report, strict, create)
+    _run_reads(reader, storage, manifest)
+    report.bytes_read = reader.bytes_read
+    for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
+        _fill_per_rank(top.walk, tl)
+    top.fill(top.walk.root, "")
+
+
+def _run_reads(reader: Reader, storage: Storage, manifest: Any) -> None:
+    """Run the reads; a checksum failure on a checkpoint that is no longer the one
+    this load opened (replaced or removed meanwhile) is reported as that."""
+    try:
+        reader.run()
+    except CorruptCheckpointError:
+        if not _committed(storage, manifest.save_id):
+            raise ShardpointError(
+                f"the checkpoint at {storage.url} was replaced or removed while this load read it (a save "
+                "with overwrite=True, or retention, deleted the files this load was reading); nothing is "
+                "damaged. Load again (the targets may be partly filled)"
+            ) from None
+        raise
 
 
 def _fill_per_rank(w: Any, tl: TreeLoad) -> None:
@@ -281,7 +300,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     for k, e in sorted(m.tree.entries.items()):
         if e["kind"] == "tensor":
             tensors[k] = TensorInfo(
-                tuple(e["shape"]), dtype_from_name(e["dtype"]),
+                tuple(e["shape"]), dtype_from_name(e["dtype"], key=k),
                 tuple((tuple(c["offsets"]), tuple(c["sizes"])) for c in e["chunks"]),
                 sum(c["length"] for c in e["chunks"]),
             )

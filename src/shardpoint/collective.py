@@ -57,7 +57,6 @@ class Comm:
             self.store = None
             return
         group = process_group if process_group is not None else dist.group.WORLD
-        self.user_group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.ranks = list(dist.get_process_group_ranks(group))
@@ -241,10 +240,10 @@ def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
 
         r, e = failed[0]
         cls = getattr(errors, e.get("type", ""), None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)) or cls is errors.CollectiveMismatchError:
-            cls = errors.CollectiveMismatchError
         msg = f"rank {r} failed, so this collective call failed on every rank: {e['error']}"
-        if cls is errors.CollectiveMismatchError:
+        if cls is errors.CollectiveMismatchError:  # that rank saw ranks that did not come or died
             raise errors.CollectiveMismatchError(msg, ranks=[f for f, _ in failed])
-        raise cls(msg)
+        if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)):
+            cls = errors.ShardpointError  # its own ordinary error (a full disk): not a missing rank
+        raise cls(msg + "; see that rank's error for the cause and fix it there")
     return [e["payload"] for e in everyone]

@@ -16,25 +16,16 @@ every integration writes:
 
 from __future__ import annotations
 
-import random
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-import torch
-
-from .errors import KeyMismatchError, ShardpointError
+from ._optim import apply_param_groups, canonical_name
+from ._rng import RngStreams, derived_seed
+from .adapters import Adapter, adapter_for
 from .report import LoadReport
-from .tree import PerRank, decode_key, is_stateful
+from .tree import PerRank, is_stateful
 
-_WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-
-def canonical_name(name: str) -> str:
-    """Drop the segments that wrappers insert (DDP's ``module.``, torch.compile's
-    ``_orig_mod.``, activation checkpointing's wrapper) from a parameter name."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+__all__ = ["TrainState", "canonical_name", "apply_param_groups"]
 
 
 class TrainState:
@@ -44,12 +35,13 @@ class TrainState:
     :class:`CheckpointManager`. Every part is optional.
 
     Args:
-        model: an ``nn.Module`` (plain, DDP, ``torch.compile``d, FSDP2) or a DeepSpeed
-            engine. Saved under canonical parameter names, so a checkpoint made with
-            one wrapping loads into another.
-        optimizer: a ``torch.optim`` optimizer over the model's parameters. Loading
-            into one that has never stepped creates its state like each parameter
-            (no dummy step).
+        model: an ``nn.Module`` (plain, DDP, ``torch.compile``d, FSDP2), a DeepSpeed
+            engine, or any owner with a registered :mod:`shardpoint.adapters` adapter.
+            Saved under canonical parameter names, so a checkpoint made with one
+            wrapping loads into another.
+        optimizer: a ``torch.optim`` optimizer over the model's parameters (an owner
+            such as a DeepSpeed engine brings its own). Loading into one that has
+            never stepped creates its state like each parameter (no dummy step).
         scheduler: an LR scheduler (anything with ``state_dict``).
         grad_scaler: a ``torch.amp.GradScaler``.
         data: a sampler or data loader with ``state_dict``. Per rank, unless it sets
@@ -63,6 +55,9 @@ class TrainState:
         **extra: more values (step counters, best metric) or Stateful objects,
             saved under ``extra/<name>``. Plain values are updated on load: read
             them back from ``state.extra[name]``.
+
+    A TrainState restores the same way at the top of the state and nested in it
+    (``shardpoint.save({"run": state, ...})``).
     """
 
     def __init__(
@@ -81,256 +76,81 @@ class TrainState:
         self.scheduler = scheduler
         self.grad_scaler = grad_scaler
         self.data = data
-        self.rng = rng
+        self._rng = RngStreams(rng)
         self.key_map = key_map
         self.extra: dict[str, Any] = dict(extra)
-        self._load_names: dict[str, str] | None = None  # local fqn -> checkpoint fqn, during a load
-        self._created: list[str] = []
-        self._no_saved_rng = False  # during a load from a checkpoint saved without RNG streams
+        self._adapter: tuple[tuple[Any, Any, Any], Adapter] | None = None
+        self._created: list[str] = []  # keys whose state the adapter created, during a load
 
-    # -- the model -----------------------------------------------------------------
-    def _integration(self) -> Any:
-        if self.model is not None and type(self.model).__name__ == "DeepSpeedEngine":
-            from .integrations import deepspeed as ds
+    @property
+    def rng(self) -> bool | int:
+        """True, a base seed, or False: see the class docstring."""
+        return self._rng.rng
 
-            return ds
-        return None
+    @rng.setter
+    def rng(self, value: bool | int) -> None:
+        self._rng.rng = value
 
-    def _model_state(self) -> dict[str, Any]:
-        sd = self.model.state_dict()
-        out: dict[str, Any] = {}
-        for k, v in sd.items():
-            name = canonical_name(k)
-            if name in out:
-                raise ShardpointError(f"model keys {k!r} and another both map to {name!r}; cannot name them uniquely")
-            out[name] = v
-        return out
+    derived_seed = staticmethod(derived_seed)
 
-    def _named_params(self) -> dict[int, str]:
-        return {id(p): canonical_name(n) for n, p in self.model.named_parameters(remove_duplicate=False)}
+    def adapter(self) -> Adapter | None:
+        """The :class:`~shardpoint.adapters.Adapter` of ``model`` and ``optimizer``
+        (None without either), made again when either attribute is replaced."""
+        if self.model is None and self.optimizer is None:
+            return None
+        ident = (self.model, self.optimizer, self.key_map)
+        if self._adapter is None or any(a is not b for a, b in zip(self._adapter[0], ident)):
+            self._adapter = (ident, adapter_for(self.model, optimizer=self.optimizer, key_map=self.key_map))
+        return self._adapter[1]
 
-    def _ckpt_name(self, fqn: str) -> str:
-        return self._load_names.get(fqn, fqn) if self._load_names is not None else fqn
-
-    # -- the optimizer -------------------------------------------------------------
-    def _param_fqns(self) -> list[list[tuple[str, Any]]]:
-        names = self._named_params() if self.model is not None else {}
-        groups = []
-        for gi, g in enumerate(self.optimizer.param_groups):
-            row = []
-            for pi, p in enumerate(g["params"]):
-                fqn = names.get(id(p))
-                if fqn is None:
-                    raise ShardpointError(
-                        f"optimizer param_groups[{gi}] parameter {pi} is not a parameter of the model; TrainState names "
-                        "optimizer state by the model's parameter names, so pass the model the optimizer trains"
-                    )
-                row.append((fqn, p))
-            groups.append(row)
-        return groups
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        opt = self.optimizer
-        state: dict[str, Any] = {}
-        groups = []
-        for g, row in zip(opt.param_groups, self._param_fqns()):
-            hp = {k: v for k, v in g.items() if k != "params"}
-            hp["params"] = [self._ckpt_name(f) for f, _ in row]
-            groups.append(hp)
-            for fqn, p in row:
-                if p in opt.state and opt.state[p]:
-                    state[self._ckpt_name(fqn)] = opt.state[p]
-        return {"state": state, "param_groups": groups}
-
-    def _prepare_optimizer(self, entries: dict[str, Any], select: Callable[[str], bool]) -> None:
-        """Create missing optimizer state like its parameter, for every entry the
-        checkpoint has, so it is loaded in place (never a dummy step)."""
-        opt = self.optimizer
-        for row in self._param_fqns():
-            for fqn, p in row:
-                prefix = f"optimizer/state/{_esc(self._ckpt_name(fqn))}/"
-                names = [k[len(prefix) :] for k in entries if k.startswith(prefix) and "/" not in k[len(prefix) :]]
-                st = opt.state.get(p, {})
-                for name in names:
-                    key = prefix + name
-                    if name in st or not select(key):
-                        continue
-                    st = opt.state[p]  # only now: opt.state is a defaultdict
-                    e = entries[key]
-                    if e["kind"] == "tensor":
-                        dtype = getattr(torch, e["dtype"])
-                        if tuple(e["shape"]) == tuple(p.shape):
-                            st[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format).detach()
-                        else:
-                            st[name] = torch.zeros(tuple(e["shape"]), dtype=dtype)
-                    else:
-                        st[name] = None  # a plain value: filled on load
-                    self._created.append(key)
-
-    def _apply_optimizer(self, sd: Mapping[str, Any]) -> None:
-        opt = self.optimizer
-        saved_groups = sd.get("param_groups")
-        rows = self._param_fqns()
-        if saved_groups is not None:
-            apply_param_groups(opt.param_groups, saved_groups, [[self._ckpt_name(f) for f, _ in row] for row in rows])
-        saved_state = sd.get("state") or {}
-        for row in rows:
-            for fqn, p in row:
-                entry = saved_state.get(self._ckpt_name(fqn))
-                if entry is not None:
-                    for name, v in entry.items():
-                        opt.state[p][name] = v
-
-    # -- RNG -------------------------------------------------------------------------
-    @staticmethod
-    def _rng_streams() -> dict[str, Any]:
-        version, internal, gauss = random.getstate()
-        np_state = np.random.get_state(legacy=True)
-        out: dict[str, Any] = {
-            "python": {"version": version, "state": np.array(internal, dtype=np.int64), "gauss": gauss},
-            "numpy": {"kind": np_state[0], "keys": np.asarray(np_state[1]).copy(), "pos": int(np_state[2]),
-                      "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
-        return out
-
-    @staticmethod
-    def _set_rng_streams(s: Mapping[str, Any]) -> None:
-        py = s["python"]
-        random.setstate((py["version"], tuple(int(x) for x in py["state"]), py["gauss"]))
-        n = s["numpy"]
-        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-        torch.set_rng_state(torch.as_tensor(s["torch"], dtype=torch.uint8))
-        if "cuda" in s and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.as_tensor(x, dtype=torch.uint8) for x in s["cuda"]])
-
-    def _base_seed(self) -> int:
-        return 0 if self.rng is True else int(self.rng)
-
-    @staticmethod
-    def derived_seed(base_seed: int, rank: int) -> int:
-        """The seed a rank that did not exist at save time derives its streams from."""
-        return zlib.crc32(f"{base_seed}:{rank}".encode()) * 1000003 % (1 << 63)
+    def _transient(self) -> tuple[str, ...]:
+        """Top-level parts whose created keys go nowhere (see ``Adapter.transient``);
+        with ``rng=False`` the saved streams are left unused too."""
+        ad = self.adapter()
+        return (ad.transient if ad is not None else ()) + (("rng",) if self.rng is False else ())
 
     # -- Stateful ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The nested state :func:`shardpoint.save` writes (live tensors, no copies)."""
-        ds = self._integration()
-        out: dict[str, Any] = {}
-        if ds is not None:
-            out.update(ds.train_state_parts(self.model))
-        elif self.model is not None:
-            m = self._model_state()
-            out["model"] = {self._ckpt_name(k): v for k, v in m.items()}
-        if self.optimizer is not None and ds is None:
-            out["optimizer"] = self._optimizer_state()
+        ad = self.adapter()
+        out: dict[str, Any] = dict(ad.state()) if ad is not None else {}
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler
         if self.grad_scaler is not None:
             out["grad_scaler"] = self.grad_scaler
         if self.data is not None:
             out["data"] = self.data if getattr(self.data, "shardpoint_global_state", False) else PerRank(self.data)
-        if self.rng is not False and not self._no_saved_rng:
-            out["rng"] = {"base_seed": self._base_seed(), "streams": PerRank(self._rng_streams())}
+        rng = self._rng.state()
+        if rng is not None:
+            out["rng"] = rng
         if self.extra:
-            out["extra"] = {k: v for k, v in self.extra.items()}
+            out["extra"] = dict(self.extra)
         return out
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Apply what :func:`shardpoint.load` filled in. Tensors were filled in place;
         this sets hyperparameters, plain values and RNG streams."""
-        ds = self._integration()
-        if ds is not None:
-            ds.apply_train_state(self.model, sd)
-        elif self.optimizer is not None and "optimizer" in sd:
-            self._apply_optimizer(sd["optimizer"])
-        rng = sd.get("rng")
-        if self.rng is not False and isinstance(rng, Mapping) and isinstance(rng.get("streams"), PerRank):
-            # this rank's saved streams, or (a rank new since the save) its current ones;
-            # _shardpoint_after_load then derives fresh streams for the latter
-            self._set_rng_streams(rng["streams"].value)
+        ad = self.adapter()
+        if ad is not None:
+            ad.apply(sd)
+        self._rng.apply(sd.get("rng"))
         if "extra" in sd:
             for k, v in sd["extra"].items():
                 if not is_stateful(self.extra.get(k)):
                     self.extra[k] = v
 
-    # hooks called by shardpoint.load around the generic load
-    def _shardpoint_prepare_load(self, entries: dict[str, Any], select: Callable[[str], bool]) -> None:
-        self._created = []
-        self._load_names = None
-        # a checkpoint saved without RNG streams (rng=False, or converted from DeepSpeed)
-        # leaves this rank's streams alone instead of failing a strict load
-        self._no_saved_rng = not any(k == "rng" or k.startswith("rng/") for k in entries)
-        if self.key_map is not None:
-            self._load_names = self._map_names(entries)
-        ds = self._integration()
-        if ds is not None:
-            self._created += ds.prepare_train_state(self.model, entries, select) or []
-        elif self.optimizer is not None:
-            self._prepare_optimizer(entries, select)
-
-    def _shardpoint_loaded(self) -> None:
-        ds = self._integration()
-        if ds is not None:
-            ds.finish_load(self.model)
-
-    def _map_names(self, entries: dict[str, Any]) -> dict[str, str]:
-        """local fqn -> checkpoint fqn, from ``key_map`` (checkpoint name -> local name)."""
-        km = self.key_map
-        out: dict[str, str] = {}
-        for k in entries:
-            path = decode_key(k)
-            if len(path) == 2 and path[0] == "model" and isinstance(path[1], str):
-                old = path[1]
-                new = km.get(old, old) if isinstance(km, Mapping) else km(old)  # type: ignore[operator, union-attr]
-                if new is not None:
-                    out[new] = old
-        return out
+    # -- load hooks (shardpoint.adapters.LoadHooks), keys relative to this object -----
+    def _shardpoint_prepare_load(self, entries: Mapping[str, Any], select: Callable[[str], bool]) -> None:
+        self._rng.prepare_load(entries)
+        ad = self.adapter()
+        self._created = ad.prepare_load(entries, select) if ad is not None else []
 
     def _shardpoint_after_load(self, report: LoadReport, rank: int) -> None:
-        created = [k for k in self._created if k in report.loaded]
-        report.loaded = [k for k in report.loaded if k not in set(created)]
-        report.created = sorted(set(report.created) | set(created))
+        report.settle_created(self._created, self._transient())
         self._created = []
-        self._load_names = None
-        if self._no_saved_rng:
-            self._no_saved_rng = False
-            if self.rng is not False:
-                report.per_rank["rng/streams"] = "not in checkpoint"
-            return
-        if self.rng is False:
-            return
-        if report.per_rank.get("rng/streams") == "kept":
-            seed = self.derived_seed(self._base_seed(), rank)
-            random.seed(seed)
-            np.random.seed(seed % (1 << 32))
-            torch.manual_seed(seed)
-            report.per_rank["rng/streams"] = "derived"
+        self._rng.after_load(report, rank)
 
-
-def apply_param_groups(groups: list[dict[str, Any]], saved: list[Mapping[str, Any]], fqns: list[list[str]]) -> None:
-    """Set the saved hyperparameters of each param group, after checking that the
-    groups hold the same parameters (by name, in order); raises KeyMismatchError
-    naming the first group that differs."""
-    if len(saved) != len(groups):
-        raise KeyMismatchError(
-            f"optimizer: the checkpoint has {len(saved)} param_groups, this optimizer has {len(groups)}; "
-            "build the optimizer with the same groups, or exclude=['optimizer']"
-        )
-    for i, (sg, want) in enumerate(zip(saved, fqns)):
-        got = list(sg.get("params", want))
-        if got != want:
-            raise KeyMismatchError(
-                f"optimizer param_groups[{i}] holds {want[:5]}... here but {got[:5]}... in the checkpoint; "
-                "the groups must hold the same parameters in the same order"
-            )
-    for g, sg in zip(groups, saved):
-        g.update({k: v for k, v in sg.items() if k != "params"})
-
-
-def _esc(fqn: str) -> str:
-    from .tree import join
-
-    return join("", fqn)
+    def _shardpoint_loaded(self) -> None:
+        ad = self.adapter()
+        if ad is not None:
+            ad.finish_load()

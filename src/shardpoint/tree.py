@@ -118,13 +118,15 @@ class Node:
 
 @dataclass(slots=True)
 class Walk:
-    """The flat view of a (sub)tree: container types and leaf nodes by key, and the
-    per-rank sub-walks by key."""
+    """The flat view of a (sub)tree: container types and leaf nodes by key, the
+    per-rank sub-walks by key, and the Stateful objects with their keys (outermost
+    first)."""
 
     root: Node
     containers: dict[str, str] = field(default_factory=dict)
     leaves: dict[str, Node] = field(default_factory=dict)
     per_rank: dict[str, Walk] = field(default_factory=dict)
+    stateful: list[tuple[str, Any]] = field(default_factory=list)
 
 
 def walk(state: Any, prefix: str = "") -> Walk:
@@ -156,16 +158,13 @@ def _walk(obj: Any, key: str, w: Walk, in_per_rank: bool) -> Node:
     if isinstance(obj, Mapping):
         n = Node("dict", obj=obj)
         w.containers[key] = "dict"
-        seen: dict[str, Any] = {}
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
                 raise TypeError(
                     f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
                     "only str and int keys can be saved: convert the key to str"
                 )
-            ck = join(key, k)
-            seen[ck] = k
-            n.children[k] = _walk(v, ck, w, in_per_rank)
+            n.children[k] = _walk(v, join(key, k), w, in_per_rank)
         return n
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
@@ -175,6 +174,7 @@ def _walk(obj: Any, key: str, w: Walk, in_per_rank: bool) -> Node:
             n.children[i] = _walk(v, join(key, i), w, in_per_rank)
         return n
     if is_stateful(obj):
+        w.stateful.append((key, obj))
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
             raise TypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")

@@ -6,6 +6,13 @@ optimizer setup pulls in); 4 ranks on 2 cores take 40 s before the first step.
 ``run_ds`` therefore starts its ranks from a forkserver that has imported torch,
 deepspeed and shardpoint once: each rank is still a fresh process with its own
 gloo group and nothing of an earlier rank's state, but it starts in ~0.5 s.
+
+DeepSpeed's CPU communication builds a C++ op (``deepspeed_shm_comm``) with the
+compiler the first time it runs on a machine: a minute or more on a loaded 2-core
+machine, which every rank would otherwise wait for inside its own time bound.
+:func:`run_ds` builds it once, in this process, before the first ranks start; the
+bounds (``TIMEOUT`` per run, the tests' pytest timeout) leave room for a machine 3-5x
+slower than an idle one.
 """
 
 from __future__ import annotations
@@ -40,13 +47,36 @@ def require_deepspeed() -> Any:
         pytest.skip(reason, allow_module_level=True)
 
 
-def run_ds(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60) -> list[Any]:
+#: Seconds a run_ds call may take: ~10-20 s on an idle machine, several times that on a loaded one.
+TIMEOUT = 240.0
+_built = False
+
+
+def build_comm_op_once() -> None:
+    """Build (or load from the torch extensions cache) DeepSpeed's shared-memory comm
+    op in this process, so no rank compiles it within its time bound. A machine
+    without a compiler has no such op: DeepSpeed then falls back to torch.distributed."""
+    global _built
+    if _built:
+        return
+    _built = True
+    try:
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
+    except Exception:  # noqa: BLE001 - the ranks meet the same failure and DeepSpeed's fallback
+        pass
+
+
+def run_ds(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = TIMEOUT) -> list[Any]:
     """``tests._dist.run_ranks``, with ranks forked from a preloaded forkserver."""
     import pickle
 
     import torch.multiprocessing as mp
 
     from tests._dist import RankFailed, _entry, free_port
+
+    build_comm_op_once()
 
     mp.set_forkserver_preload(PRELOAD)
     ctx = mp.get_context("forkserver")
@@ -87,13 +117,14 @@ IN, HID, OUT = 12, 20, 6
 GLOBAL_BATCH = 12
 
 
-def tiny_model(seed: int = 0) -> Any:
+def tiny_model(seed: int = 0, dropout: float = 0.0) -> Any:
     import torch
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.body = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, HID), torch.nn.Tanh())
+            layers = [torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, HID), torch.nn.Tanh()]
+            self.body = torch.nn.Sequential(*layers, *([torch.nn.Dropout(dropout)] if dropout else []))
             self.head = torch.nn.Linear(HID, OUT)
             self.register_buffer("scale", torch.linspace(0.5, 1.5, OUT))
 
@@ -105,7 +136,7 @@ def tiny_model(seed: int = 0) -> Any:
 
 
 def build_engine(stage: int, *, gas: int = 1, bf16: bool = False, seed: int = 0, scheduler: bool = True,
-                 extra: dict[str, Any] | None = None) -> Any:
+                 extra: dict[str, Any] | None = None, dropout: float = 0.0) -> Any:
     """A DeepSpeed engine over :func:`tiny_model` with torch AdamW, whose global batch
     is GLOBAL_BATCH on any world size (micro batch GLOBAL_BATCH / (world * gas))."""
     import logging
@@ -117,7 +148,7 @@ def build_engine(stage: int, *, gas: int = 1, bf16: bool = False, seed: int = 0,
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     assert GLOBAL_BATCH % (world * gas) == 0, (world, gas)
-    model = tiny_model(seed)
+    model = tiny_model(seed, dropout)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world * gas),
         "gradient_accumulation_steps": gas,

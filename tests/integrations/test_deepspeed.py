@@ -13,7 +13,8 @@ from tests.integrations.ds_common import build_engine, full_state, require_deeps
 
 require_deepspeed()
 
-pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.timeout(120)]
+# bounds for a loaded machine: the first run may also build DeepSpeed's comm op (ds_common.build_comm_op_once)
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.timeout(900)]
 
 REL = 1e-4
 
@@ -193,3 +194,91 @@ def test_plain_pytorch_checkpoint_resumes_in_a_deepspeed_engine(tmp_path: os.Pat
     got = run_ds(_plain_to_ds, 2, path)[0]
     assert got["missing"] == ["engine/global_samples", "engine/global_steps", "engine/skipped_steps"]
     assert _rel(got["losses"], ref) <= REL, (got["losses"], ref)
+
+
+# -- the engine as one Stateful object, through the core API and the manager ---------------------
+def _engine_state_save(rank: int, world: int, path: str, root: str) -> None:
+    import shardpoint
+    from shardpoint.integrations.deepspeed import EngineState
+
+    engine = build_engine(2, bf16=True)
+    train(engine, 0, 2)
+    shardpoint.save(EngineState(engine), path)
+    shardpoint.CheckpointManager(root).save(EngineState(engine), 2)
+
+
+def _engine_state_load(rank: int, world: int, path: str, root: str) -> dict:
+    import shardpoint
+    from shardpoint.integrations.deepspeed import EngineState
+
+    engine = build_engine(2, bf16=True, seed=1)
+    out = {}
+
+    def refreshed() -> list[str]:
+        """Parameters whose bf16 weights are not their fp32 masters, rounded."""
+        full = full_state(engine)
+        return [n for n, p in engine.module.named_parameters() if not torch.equal(p.detach(), full[f"model/{n}"].to(torch.bfloat16))]
+
+    out["load"] = shardpoint.load(EngineState(engine), path)
+    out["after_load"] = refreshed()
+    out["full"] = full_state(engine)
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.zero_()  # the masters stay: only a refresh brings the weights back
+    out["zeroed"] = refreshed()
+    out["restore"] = shardpoint.CheckpointManager(root).restore(EngineState(engine))
+    out["after_restore"] = refreshed()
+    return out
+
+
+def test_engine_state_through_load_and_the_manager_refreshes_bf16_weights(tmp_path: os.PathLike) -> None:
+    path, root = str(tmp_path / "ck"), str(tmp_path / "run")
+    run_ds(_engine_state_save, 2, path, root)
+    ref = run_ds(_train_save, 2, 2, str(tmp_path / "ref"), 2, 0, True)[0]["full"]
+    for r in run_ds(_engine_state_load, 2, path, root):
+        assert r["zeroed"], "the negative control: zeroed weights differ from the masters"
+        assert r["after_load"] == [] and r["after_restore"] == [], (r["after_load"], r["after_restore"])
+        assert r["restore"].step == 2 and r["load"].per_rank["rng/streams"] == "restored"
+        for k, v in ref.items():
+            if k.startswith(("model/", "optimizer/")):
+                assert torch.equal(r["full"][k], v), k
+
+
+# -- exact resume with dropout: the RNG streams travel with the engine -------------------------------
+def _dropout_run(rank: int, world: int, path: str, resume: bool, rng: bool) -> dict:
+    from shardpoint.integrations.deepspeed import load, save
+
+    engine = build_engine(2, dropout=0.3, seed=1 if resume else 0)
+    torch.manual_seed(1000 + rank if not resume else 7)  # per-rank streams: each rank its own dropout masks
+    if not resume:
+        train(engine, 0, 2)
+        save(engine, path)
+        return {"losses": train(engine, 2, 3)}
+    report = load(engine, path, rng=rng)
+    return {"losses": train(engine, 2, 3), "rng": report.per_rank.get("rng/streams")}
+
+
+def test_dropout_resumes_bit_for_bit_on_the_same_ranks(tmp_path: os.PathLike) -> None:
+    path = str(tmp_path / "ck")
+    ref = run_ds(_dropout_run, 2, path, False, True)[0]["losses"]
+    got = run_ds(_dropout_run, 2, path, True, True)
+    assert [r["rng"] for r in got] == ["restored", "restored"]
+    assert got[0]["losses"] == ref, (got[0]["losses"], ref)  # bitwise: the same floats
+    # negative control: the same resume without the RNG streams draws other dropout masks
+    control = run_ds(_dropout_run, 2, path, True, False)
+    assert [r["rng"] for r in control] == [None, None]  # rng=False: nothing restored, and the report says none was
+    assert control[0]["losses"][0] != ref[0], (control[0]["losses"], ref)
+
+
+def test_deepspeeds_engine_subclasses_find_the_engine_adapter() -> None:
+    """The registry matches by class hierarchy: DeepSpeed's own subclasses of the
+    engine use its adapter, with no registration of their own."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from shardpoint.adapters import adapter_class
+    from shardpoint.integrations.deepspeed import EngineAdapter
+
+    for cls in (DeepSpeedEngine, PipelineEngine, DeepSpeedHybridEngine):
+        assert adapter_class(cls.__new__(cls)) is EngineAdapter, cls

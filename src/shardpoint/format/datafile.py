@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 
 try:  # the same CRC-32 as zlib's, about 5x faster (carry-less multiply): checksums stop costing a save its throughput
@@ -36,11 +37,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype for a manifest dtype name; raises ``ValueError`` if unknown."""
-    if name not in DTYPES or not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return getattr(torch, name)
+def dtype_from_name(name: str, key: str | None = None) -> torch.dtype:
+    """The torch dtype for a manifest dtype name. Raises
+    :class:`~shardpoint.CorruptCheckpointError` naming ``key`` (where the caller knows
+    it) for a name shardpoint does not know or this torch does not have."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name in DTYPES else None
+    if not isinstance(dtype, torch.dtype):
+        where = f"key {key!r}" if key is not None else "a tensor of the checkpoint"
+        why = f"this torch {torch.__version__} lacks" if name in DTYPES else "shardpoint does not know"
+        raise CorruptCheckpointError(
+            f"{where} has dtype {name!r}, which {why} (known: {', '.join(sorted(DTYPES))}); the manifest is "
+            "damaged or was written by a newer version: upgrade torch and shardpoint, or leave the key out with exclude="
+        )
+    return dtype
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -15,27 +15,41 @@ The keys are the training-state layout (``docs/format.md``)::
     scheduler/...                            engine.lr_scheduler.state_dict()
     engine/{global_steps,global_samples,skipped_steps}
     client/...                               client_state
+    rng/base_seed, rng/streams               every rank's RNG streams (per rank)
 
-DeepSpeed is imported lazily: importing this module never imports deepspeed.
+DeepSpeed is imported lazily: importing this module never imports deepspeed. The
+core finds :class:`EngineAdapter` through :mod:`shardpoint.adapters` by the engine's
+class name, so ``TrainState(model=engine)`` works without importing this module first.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from .._optim import (
+    OptimizerEntries,
+    apply_param_groups,
+    canonical_name,
+    hyperparameters,
+    param_names,
+    zeros_like_entry,
+)
+from ..adapters import Adapter
 from ..errors import ShardpointError
 from ..layout import FlatShard
 from ..report import LoadReport
-from ..state import apply_param_groups
-from ..tree import encode_key
+from ..state import TrainState
 
-__all__ = ["save", "load", "convert", "finish_load", "train_state_parts", "prepare_train_state", "apply_train_state"]
+__all__ = [
+    "save", "load", "convert", "EngineState", "EngineAdapter", "finish_load", "train_state_parts",
+    "prepare_train_state", "apply_train_state",
+]
 
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
@@ -75,11 +89,23 @@ def torch_optimizer(engine: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else opt
 
 
-def _param_names(module: torch.nn.Module) -> dict[int, str]:
-    """id(param) -> canonical name, as TrainState names optimizer state."""
-    from ..state import canonical_name
+def _namer(engine: Any) -> Callable[[torch.Tensor, int], str]:
+    """``name(param, group)``: the canonical name of an optimizer parameter in
+    ``engine.module``, as TrainState names optimizer state."""
+    names = param_names(engine.module)
 
-    return {id(p): canonical_name(n) for n, p in module.named_parameters(remove_duplicate=False)}
+    def name(p: torch.Tensor, group: int) -> str:
+        n = names.get(id(p))
+        if n is None:
+            shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+            raise ShardpointError(
+                f"param group {group} of the DeepSpeed optimizer holds a parameter of shape {shape} that is not a "
+                "parameter of engine.module; shardpoint names optimizer state by the module's parameter names, so "
+                "give deepspeed.initialize the parameters of the model it wraps (model_parameters=model.parameters())"
+            )
+        return n
+
+    return name
 
 
 def _kind(engine: Any) -> str:
@@ -112,15 +138,9 @@ def _kind(engine: Any) -> str:
 
 def pieces(engine: Any) -> list[Piece]:
     """This rank's piece of every trainable parameter, in optimizer order."""
-    names = _param_names(engine.module)
+    name = _namer(engine)
     opt, kind = engine.optimizer, _kind(engine)
     out: list[Piece] = []
-
-    def name(p: torch.Tensor) -> str:
-        n = names.get(id(p))
-        if n is None:
-            raise ShardpointError("the DeepSpeed optimizer holds a parameter that is not a parameter of engine.module")
-        return n
 
     if kind in ("zero12", "bf16"):
         lp_groups = opt.bit16_groups if kind == "zero12" else opt.bf16_groups
@@ -131,7 +151,7 @@ def pieces(engine: Any) -> list[Piece]:
                 if m is None:
                     continue  # no element of p lies in this rank's partition
                 lp, hp = m.lp_fragment_address, m.hp_fragment_address
-                out.append(Piece(name(p), tuple(p.shape), int(lp.start), int(lp.numel), flat, int(hp.start), g, True))
+                out.append(Piece(name(p, g), tuple(p.shape), int(lp.start), int(lp.numel), flat, int(hp.start), g, True))
     elif kind == "zero3":
         for sg, params in enumerate(opt.fp16_groups):
             flat = opt.fp32_partitioned_groups_flat[sg]
@@ -142,27 +162,27 @@ def pieces(engine: Any) -> list[Piece]:
                 start = rank * int(pnumel)
                 n = max(0, min(int(pnumel), int(p.ds_numel) - start))
                 if n:
-                    out.append(Piece(name(p), tuple(p.ds_shape), start, n, flat, int(offset), g, True))
+                    out.append(Piece(name(p, g), tuple(p.ds_shape), start, n, flat, int(offset), g, True))
     elif kind == "fused":
         for g, (lps, flat) in enumerate(zip(opt.fp16_groups, opt.fp32_groups_flat, strict=True)):
             offset = 0
             for p in lps:
-                out.append(Piece(name(p), tuple(p.shape), 0, p.numel(), flat, offset, g, False))
+                out.append(Piece(name(p, g), tuple(p.shape), 0, p.numel(), flat, offset, g, False))
                 offset += p.numel()
     elif kind == "unfused":
         for g, (lps, hps) in enumerate(zip(opt.fp16_groups, opt.fp32_groups, strict=True)):
             for p, hp in zip(lps, hps, strict=True):
-                out.append(Piece(name(p), tuple(p.shape), 0, p.numel(), hp, 0, g, False))
+                out.append(Piece(name(p, g), tuple(p.shape), 0, p.numel(), hp, 0, g, False))
     else:
         for g, group in enumerate(opt.param_groups):
             for p in group["params"]:
-                out.append(Piece(name(p), tuple(p.shape), 0, p.numel(), p, 0, g, False))
+                out.append(Piece(name(p, g), tuple(p.shape), 0, p.numel(), p, 0, g, False))
     return out
 
 
 def _group_fqns(engine: Any) -> list[list[str]]:
     """The fqns of each optimizer param group, in the group's order (every rank alike)."""
-    names = _param_names(engine.module)
+    name = _namer(engine)
     opt, kind = engine.optimizer, _kind(engine)
     if kind == "zero12":
         groups = opt.bit16_groups
@@ -174,11 +194,12 @@ def _group_fqns(engine: Any) -> list[list[str]]:
         n = len(torch_optimizer(engine).param_groups)
         rows: list[list[str]] = [[] for _ in range(n)]
         for sg, params in enumerate(opt.fp16_groups):
-            rows[int(opt.sub_group_to_group_id[sg])] += [names[id(p)] for p in params]
+            g = int(opt.sub_group_to_group_id[sg])
+            rows[g] += [name(p, g) for p in params]
         return rows
     else:
         groups = [g["params"] for g in opt.param_groups]
-    return [[names[id(p)] for p in ps] for ps in groups]
+    return [[name(p, g) for p in ps] for g, ps in enumerate(groups)]
 
 
 def _zero3_frozen(engine: Any, p: Any) -> FlatShard | None:
@@ -193,9 +214,7 @@ def _zero3_frozen(engine: Any, p: Any) -> FlatShard | None:
 def _model_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
     """``model/``: the fp32 master of every trainable parameter (under each of its
     names, tied weights included), frozen parameters as held, persistent buffers."""
-    from ..state import canonical_name
-
-    names = _param_names(engine.module)
+    names = param_names(engine.module)
     by_fqn = {pc.fqn: pc for pc in ps}
     trainable = {fqn for row in _group_fqns(engine) for fqn in row}
     zero3 = _kind(engine) == "zero3"
@@ -243,9 +262,7 @@ def _optimizer_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
         state[pc.fqn] = row
     groups = []
     for g, fqns in zip(topt.param_groups, _group_fqns(engine), strict=True):
-        hp = {k: v for k, v in g.items() if k != "params"}
-        hp["params"] = list(fqns)
-        groups.append(hp)
+        groups.append(hyperparameters(g, fqns))
     return {"state": state, "param_groups": groups}
 
 
@@ -279,18 +296,16 @@ def prepare_train_state(engine: Any, entries: Mapping[str, Any], select: Callabl
     for pc in pieces(engine):
         by_key.setdefault(id(pc.key), (pc.key, []))[1].append(pc)
     adam = isinstance(topt, (torch.optim.Adam, torch.optim.AdamW))
+    saved = OptimizerEntries(entries, select)
     created: list[str] = []
     for key, kps in by_key.values():
         if topt.state.get(key):
             continue
-        found: dict[str, Any] = {}
-        keys: list[str] = []
+        found: dict[str, tuple[str, dict[str, Any]]] = {}
         for pc in kps:
-            prefix = encode_key(("optimizer", "state", pc.fqn)) + "/"
-            for k, e in entries.items():
-                if k.startswith(prefix) and "/" not in k[len(prefix) :] and select(k):
-                    found.setdefault(k[len(prefix) :], e)
-                    keys.append(k)
+            for name, ke in saved.of(pc.fqn).items():
+                found.setdefault(name, ke)
+                created.append(ke[0])
         if not found:
             continue
         want = dict.fromkeys(found)
@@ -300,16 +315,16 @@ def prepare_train_state(engine: Any, entries: Mapping[str, Any], select: Callabl
                 want["max_exp_avg_sq"] = None
         new: dict[str, Any] = {}
         for name in want:
-            e = found.get(name)
-            if e is not None and e["kind"] != "tensor":
+            ke = found.get(name)
+            if ke is None:  # Adam state the checkpoint lacks: as Adam's first step makes it
+                new[name] = torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(key).detach()
+            elif ke[1]["kind"] != "tensor":
                 new[name] = 0  # a plain value, set from the checkpoint by apply_train_state
-            elif name == "step" or (e is not None and tuple(e["shape"]) != kps[0].shape):
-                shape = tuple(e["shape"]) if e is not None else ()
-                new[name] = torch.zeros(shape, dtype=getattr(torch, e["dtype"]) if e is not None else torch.float32)
-            else:
+            elif name != "step" and tuple(ke[1]["shape"]) == kps[0].shape:  # per element: like the partition
                 new[name] = torch.zeros_like(key, memory_format=torch.preserve_format).detach()
+            else:  # a scalar (step) or another shape: as saved
+                new[name] = zeros_like_entry(ke[0], ke[1], None)
         topt.state[key] = new
-        created += keys
     return created
 
 
@@ -333,7 +348,6 @@ def apply_train_state(engine: Any, sd: Mapping[str, Any]) -> None:
         for name in ("global_steps", "global_samples", "skipped_steps"):
             if name in counters:
                 setattr(engine, name, int(counters[name]))
-    engine._shardpoint_refresh = True
 
 
 @torch.no_grad()
@@ -362,51 +376,78 @@ def finish_load(engine: Any) -> None:
         for lps, hps in zip(opt.fp16_groups, opt.fp32_groups, strict=True):
             for lp, hp in zip(lps, hps, strict=True):
                 lp.data.copy_(hp.data)
-    engine._shardpoint_refresh = False
 
 
-class EngineState:
-    """A DeepSpeed engine (and its client state) as one Stateful object for
-    :func:`shardpoint.save` / :func:`shardpoint.load`."""
+class EngineAdapter(Adapter):
+    """The :mod:`shardpoint.adapters` adapter of a DeepSpeed engine (and of its
+    subclasses: ``PipelineEngine``, ``DeepSpeedHybridEngine``): its parts are
+    :func:`train_state_parts`; a load creates a never-stepped optimizer's state
+    (:func:`prepare_train_state`), applies hyperparameters and counters
+    (:func:`apply_train_state`) and refreshes the low-precision weights
+    (:func:`finish_load`, collective)."""
 
-    def __init__(self, engine: Any, client_state: dict[str, Any] | None = None) -> None:
+    transient = ("model", "optimizer", "engine")
+
+    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: Any = None) -> None:
+        super().__init__(owner, optimizer=optimizer, key_map=key_map)
+        if key_map is not None:
+            raise ShardpointError(
+                "key_map is not supported for a DeepSpeed engine: load the checkpoint into the plain model "
+                "(TrainState(model=model, key_map=...)) before deepspeed.initialize, or rename the module's layers"
+            )
+        if optimizer is not None and optimizer is not owner.optimizer and optimizer is not torch_optimizer(owner):
+            raise ShardpointError(
+                "TrainState(model=engine, optimizer=...) was given an optimizer that is not the engine's; a DeepSpeed "
+                "engine saves its own optimizer (engine.optimizer): leave optimizer= out"
+            )
+
+    def state(self) -> dict[str, Any]:
+        return train_state_parts(self.owner)
+
+    def prepare_load(self, entries: Mapping[str, Any], select: Callable[[str], bool]) -> list[str]:
+        return prepare_train_state(self.owner, entries, select)
+
+    def apply(self, sd: Mapping[str, Any]) -> None:
+        apply_train_state(self.owner, sd)
+
+    def finish_load(self) -> None:
+        finish_load(self.owner)
+
+
+class EngineState(TrainState):
+    """A DeepSpeed engine, its client state and this rank's RNG streams as one
+    Stateful object for :func:`shardpoint.save` / :func:`shardpoint.load` and
+    :class:`~shardpoint.CheckpointManager`. A load into it refreshes the engine's
+    low-precision weights (collective, after every rank loaded).
+
+    Args:
+        engine: the DeepSpeed engine.
+        client_state: a dict saved under ``client/`` and updated in place on load.
+        rng: as :class:`~shardpoint.TrainState`'s: the RNG streams of every rank
+            (dropout masks continue exactly on the same world size).
+    """
+
+    def __init__(self, engine: Any, client_state: dict[str, Any] | None = None, *, rng: bool | int = True) -> None:
+        super().__init__(model=engine, rng=rng)
         self.engine = engine
         self.client_state = client_state
-        self._created: list[str] = []
 
     def state_dict(self) -> dict[str, Any]:
-        out = train_state_parts(self.engine)
+        out = super().state_dict()
         if self.client_state is not None:
             out["client"] = self.client_state
         return out
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        apply_train_state(self.engine, sd)
+        super().load_state_dict(sd)
         if self.client_state is not None and isinstance(sd.get("client"), Mapping) and sd["client"] is not self.client_state:
             self.client_state.update(sd["client"])
 
-    def _shardpoint_prepare_load(self, entries: dict[str, Any], select: Callable[[str], bool]) -> None:
-        self._created = prepare_train_state(self.engine, entries, select)
-
-    def _shardpoint_after_load(self, report: LoadReport, rank: int) -> None:
-        homes = {"client"} if self.client_state is not None else set()
-        if self.engine.lr_scheduler is not None:
-            homes.add("scheduler")
-        after_load_report(report, self._created, homes)
-        self._created = []
-
-
-def after_load_report(report: LoadReport, created: list[str], homes: Collection[str] = ("scheduler", "client")) -> None:
-    """Optimizer state created by :func:`prepare_train_state` and then loaded is
-    reported as ``created``. Keys the core created in the engine state's transient
-    dicts (a parameter this engine does not have, client state nobody asked for) went
-    nowhere: they are reported as ``unexpected``. ``homes`` are the top-level parts
-    where created keys do land (the scheduler's state dict, the caller's client dict)."""
-    mine = set(created)
-    report.loaded = [k for k in report.loaded if k not in mine]
-    stray = {k for k in report.created if k not in mine and k.split("/", 1)[0] not in homes}
-    report.created = sorted((set(report.created) - stray) | mine)
-    report.unexpected = sorted(set(report.unexpected) | stray)
+    def _transient(self) -> tuple[str, ...]:
+        # client state nobody asked for, a scheduler the engine does not have: created nowhere
+        out = super()._transient()
+        out += ("client",) if self.client_state is None else ()
+        return out + (("scheduler",) if self.engine.lr_scheduler is None else ())
 
 
 # -- the public API ----------------------------------------------------------------------------
@@ -415,6 +456,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     client_state: dict[str, Any] | None = None,
+    rng: bool | int = True,
     overwrite: bool = False,
     timeout: timedelta | float = timedelta(minutes=10),
     storage_options: dict[str, Any] | None = None,
@@ -426,10 +468,13 @@ def save(
     PyTorch / FSDP2 model with :class:`shardpoint.TrainState`.
 
     ``client_state`` must be the same on every rank (wrap per-rank values in
-    :class:`shardpoint.PerRank`)."""
+    :class:`shardpoint.PerRank`). ``rng`` (True, a base seed, or False) saves every
+    rank's RNG streams, as :class:`shardpoint.TrainState` does, so a resume on the same
+    ranks continues bit for bit (dropout included)."""
     from .. import api
 
-    api.save(EngineState(engine, client_state), path, overwrite=overwrite, timeout=timeout, storage_options=storage_options)
+    api.save(EngineState(engine, client_state, rng=rng), path, overwrite=overwrite, timeout=timeout,
+             storage_options=storage_options)
 
 
 def load(
@@ -437,6 +482,7 @@ def load(
     path: str | os.PathLike[str],
     *,
     client_state: dict[str, Any] | None = None,
+    rng: bool | int = True,
     only: list[str] | str | None = None,
     exclude: list[str] | str | None = None,
     strict: bool = True,
@@ -447,10 +493,13 @@ def load(
     stage. Collective. The engine, its module, optimizer and LR scheduler stay the
     same objects. An engine that has never stepped gets its optimizer state created
     (no dummy step). The module's low-precision weights are refreshed from the loaded
-    fp32 masters.
+    fp32 masters. Each rank's RNG streams are restored (a rank new since the save
+    derives fresh ones; ``report.per_rank["rng/streams"]`` says which); a checkpoint
+    saved without them leaves the streams alone.
 
     Args:
         client_state: a dict that receives the saved client state (updated in place).
+        rng: True, a base seed for new ranks, or False to leave RNG alone.
         only / exclude: key prefixes to load or to leave out, e.g.
             ``exclude=["optimizer"]`` to load weights only.
         strict: raise :class:`~shardpoint.KeyMismatchError` if the engine has state
@@ -458,10 +507,8 @@ def load(
     """
     from .. import api
 
-    state = EngineState(engine, client_state)
-    report = api.load(state, path, strict=strict, only=only, exclude=exclude, timeout=timeout, storage_options=storage_options)
-    finish_load(engine)
-    return report
+    state = EngineState(engine, client_state, rng=rng)
+    return api.load(state, path, strict=strict, only=only, exclude=exclude, timeout=timeout, storage_options=storage_options)
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, tag: str | None = None,

@@ -18,16 +18,13 @@ class LocalChunks:
     """What this rank holds of one tensor.
 
     ``views[i]`` is a tensor of shape ``boxes[i].sizes`` that aliases the user's
-    storage (so copying into it loads in place). ``sharded`` is False for a plain
-    tensor, which every holder has whole (replicated)."""
+    storage (so copying into it loads in place)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     boxes: list[Box]
     views: list[torch.Tensor]
-    sharded: bool
     numpy: bool = False
-    layout: str = "replicated"
 
 
 def chunks_of(key: str, leaf: object) -> LocalChunks:
@@ -40,20 +37,20 @@ def chunks_of(key: str, leaf: object) -> LocalChunks:
         for b in boxes:
             views.append(leaf.local[pos : pos + b.numel].view(b.sizes))
             pos += b.numel
-        return LocalChunks(leaf.shape, leaf.local.dtype, boxes, views, True, layout="flat")
+        return LocalChunks(leaf.shape, leaf.local.dtype, boxes, views)
     if isinstance(leaf, np.ndarray):
         if leaf.dtype.hasobject or leaf.dtype.kind in "USVMm":
             raise ValueError(f"key {key!r}: numpy arrays of dtype {leaf.dtype} cannot be saved; use a numeric dtype")
         t = torch.from_numpy(leaf) if all(s >= 0 for s in leaf.strides) else torch.from_numpy(leaf.copy())
         shape = tuple(t.shape)
-        return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], False, numpy=True)
+        return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], numpy=True)
     assert isinstance(leaf, torch.Tensor)
     dt = _as_dtensor(leaf)
     if dt is not None:
         return _dtensor_chunks(key, dt)
     t = leaf.detach()
     shape = tuple(t.shape)
-    return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], False)
+    return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
 
 
 def _as_dtensor(t: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -96,6 +93,4 @@ def _dtensor_chunks(key: str, dt) -> LocalChunks:  # type: ignore[no-untyped-def
             f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
             f"{placements} give {tuple(local_shape)}; the layout is not one box and cannot be saved"
         )
-    box = Box(offset, local_shape)
-    sharded = any(isinstance(p, Shard) for p in placements)
-    return LocalChunks(shape, local.dtype, [box], [local], sharded, layout="dtensor")
+    return LocalChunks(shape, local.dtype, [Box(offset, local_shape)], [local])

@@ -1,0 +1,313 @@
+"""Owners of training state: the protocol they implement and how shardpoint finds them.
+
+An *owner* holds a model and what trains it: a plain ``nn.Module`` with a torch
+optimizer, a DeepSpeed engine, and (later) a Lightning module, an Accelerate
+accelerator or a Hugging Face Trainer. Each is seen through one :class:`Adapter`,
+which does four things::
+
+    state()          its parts as nested state (live tensors, views, FlatShards; no copies)
+    prepare_load()   before a load: create what the checkpoint has and it lacks
+                     (a never-stepped optimizer's state), so the load fills it in place
+    apply()          after the tensors were filled in place: set what is not a tensor
+                     (hyperparameters, counters)
+    finish_load()    once every rank loaded: a collective refresh (DeepSpeed copies its
+                     fp32 masters into the module's low-precision weights)
+
+Adapters are registered by *dotted class name* and found by the owner's class
+hierarchy (its MRO), so this module never imports a framework and subclasses match:
+a ``PipelineEngine`` uses the ``DeepSpeedEngine`` adapter. An integration registers
+its own (``register("lightning.pytorch.core.module.LightningModule",
+"shardpoint.integrations.lightning:ModuleAdapter")``); anything unregistered uses
+:class:`PlainAdapter`. :class:`~shardpoint.TrainState` puts its ``model`` (and
+``optimizer``) through :func:`adapter_for`.
+
+The load hooks of any Stateful object in a state tree (``TrainState`` implements
+them) are run by :class:`LoadHooks` wherever the object sits in the tree, with the
+manifest's entries and the report keyed relative to it::
+
+    _shardpoint_prepare_load(entries, select)   before the state is walked for the load
+    _shardpoint_after_load(report, rank)        after every value was placed (not collective)
+    _shardpoint_loaded()                        after every rank succeeded (collective)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._optim import (
+    OptimizerEntries,
+    apply_param_groups,
+    canonical_name,
+    hyperparameters,
+    param_names,
+    zeros_like_entry,
+)
+from .errors import ShardpointError
+from .report import LoadReport
+from .tree import Walk, decode_key, walk
+
+__all__ = ["Adapter", "PlainAdapter", "register", "adapter_class", "adapter_for", "LoadHooks"]
+
+Entries = Mapping[str, Any]
+Select = Callable[[str], bool]
+
+
+class Adapter:
+    """The protocol of an owner of training state (subclass it). One instance serves
+    one owner; it may keep what a load needs between its steps.
+
+    Args:
+        owner: the object that owns the state (a module, an engine, ...).
+        optimizer: a separate optimizer, for owners that do not hold one.
+        key_map: for fine-tuning, checkpoint parameter name -> this model's name
+            (a dict or a callable); an adapter that cannot honour it raises.
+    """
+
+    #: Top-level parts of :meth:`state` that are built afresh on every call and never
+    #: read back: a key the load creates under them went nowhere (reported unexpected).
+    transient: tuple[str, ...] = ()
+
+    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: Any = None) -> None:
+        self.owner = owner
+        self.optimizer = optimizer
+        self.key_map = key_map
+
+    def state(self) -> dict[str, Any]:
+        """The owner's parts (``model``, ``optimizer``, ...) as nested state."""
+        raise NotImplementedError
+
+    def prepare_load(self, entries: Entries, select: Select) -> list[str]:
+        """Before a load: create the state the checkpoint has and the owner lacks.
+        ``entries`` are the manifest's entries keyed as :meth:`state` keys them;
+        returns the keys whose state was created."""
+        return []
+
+    def apply(self, sd: Mapping[str, Any]) -> None:
+        """After the tensors of :meth:`state` were filled in place: set the rest from
+        ``sd`` (the filled state). Not collective."""
+
+    def finish_load(self) -> None:
+        """After every rank loaded: collective follow-up, called on every rank."""
+
+
+class PlainAdapter(Adapter):
+    """A PyTorch ``nn.Module`` (plain, DDP, ``torch.compile``d, FSDP2) and a torch
+    optimizer over its parameters: ``model/<fqn>`` under canonical names,
+    ``optimizer/state/<fqn>/<name>`` and ``optimizer/param_groups``."""
+
+    transient = ("model", "optimizer")
+
+    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: Any = None) -> None:
+        super().__init__(owner, optimizer=optimizer, key_map=key_map)
+        self._load_names: dict[str, str] | None = None  # local fqn -> checkpoint fqn, during a load
+
+    def _ckpt(self, fqn: str) -> str:
+        return self._load_names.get(fqn, fqn) if self._load_names is not None else fqn
+
+    def _rows(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """Each param group's parameters with their names."""
+        names = param_names(self.owner) if self.owner is not None else {}
+        rows = []
+        for gi, g in enumerate(self.optimizer.param_groups):
+            row = []
+            for pi, p in enumerate(g["params"]):
+                fqn = names.get(id(p))
+                if fqn is None:
+                    raise ShardpointError(
+                        f"optimizer param_groups[{gi}] parameter {pi} (shape {tuple(p.shape)}) is not a parameter of "
+                        "the model; TrainState names optimizer state by the model's parameter names, so pass the "
+                        "model the optimizer trains"
+                    )
+                row.append((fqn, p))
+            rows.append(row)
+        return rows
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.owner is not None:
+            model: dict[str, Any] = {}
+            for k, v in self.owner.state_dict().items():
+                name = self._ckpt(canonical_name(k))
+                if name in model:
+                    raise ShardpointError(
+                        f"model keys {k!r} and another both map to {name!r}; cannot name them uniquely: "
+                        "rename one, or save the module's state_dict() as a plain dict"
+                    )
+                model[name] = v
+            out["model"] = model
+        if self.optimizer is not None:
+            opt, state, groups = self.optimizer, {}, []
+            for g, row in zip(opt.param_groups, self._rows()):
+                groups.append(hyperparameters(g, (self._ckpt(f) for f, _ in row)))
+                for fqn, p in row:
+                    if opt.state.get(p):
+                        state[self._ckpt(fqn)] = opt.state[p]
+            out["optimizer"] = {"state": state, "param_groups": groups}
+        return out
+
+    def prepare_load(self, entries: Entries, select: Select) -> list[str]:
+        self._load_names = self._map_names(entries) if self.key_map is not None else None
+        if self.optimizer is None:
+            return []
+        opt, saved, created = self.optimizer, OptimizerEntries(entries, select), []
+        for row in self._rows():
+            for fqn, p in row:
+                st = opt.state.get(p, {})
+                for name, (key, e) in saved.of(self._ckpt(fqn)).items():
+                    if name not in st:
+                        st = opt.state[p]  # only now: opt.state is a defaultdict
+                        st[name] = zeros_like_entry(key, e, p)
+                        created.append(key)
+        return created
+
+    def _map_names(self, entries: Entries) -> dict[str, str]:
+        """local fqn -> checkpoint fqn, from ``key_map`` (checkpoint name -> local name)."""
+        km = self.key_map
+        out: dict[str, str] = {}
+        for k in entries:
+            if not k.startswith("model/"):
+                continue
+            path = decode_key(k)
+            if len(path) == 2 and isinstance(path[1], str):
+                old = path[1]
+                new = km.get(old, old) if isinstance(km, Mapping) else km(old)
+                if new is not None:
+                    out[new] = old
+        return out
+
+    def apply(self, sd: Mapping[str, Any]) -> None:
+        opt, osd = self.optimizer, sd.get("optimizer")
+        if opt is not None and isinstance(osd, Mapping):
+            rows = self._rows()
+            if osd.get("param_groups") is not None:
+                apply_param_groups(opt.param_groups, osd["param_groups"], [[self._ckpt(f) for f, _ in r] for r in rows])
+            saved_state = osd.get("state") or {}
+            for row in rows:
+                for fqn, p in row:
+                    for name, v in (saved_state.get(self._ckpt(fqn)) or {}).items():
+                        opt.state[p][name] = v
+        self._load_names = None
+
+    def finish_load(self) -> None:
+        self._load_names = None
+
+
+# -- the registry ------------------------------------------------------------------------------
+#: dotted class name -> adapter ("module:Class", imported on first use) or adapter class.
+_REGISTRY: dict[str, str | type[Adapter]] = {
+    "deepspeed.runtime.engine.DeepSpeedEngine": "shardpoint.integrations.deepspeed:EngineAdapter",
+}
+
+
+def register(class_name: str, adapter: str | type[Adapter]) -> None:
+    """Use ``adapter`` for objects of the class ``class_name`` and its subclasses.
+
+    Args:
+        class_name: the owner's class as ``module.QualifiedName``, the module being
+            where the class is defined (``type(obj).__module__``), e.g.
+            ``"deepspeed.runtime.engine.DeepSpeedEngine"``.
+        adapter: an :class:`Adapter` subclass, or ``"package.module:ClassName"`` to
+            import only when such an owner is first seen (keeps frameworks lazy).
+    """
+    _REGISTRY[class_name] = adapter
+
+
+def adapter_class(owner: Any) -> type[Adapter] | None:
+    """The adapter registered for the nearest class in ``type(owner).__mro__``, or None."""
+    for cls in type(owner).__mro__:
+        found = _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
+        if found is None:
+            continue
+        if isinstance(found, str):
+            module, _, name = found.partition(":")
+            try:
+                found = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError) as e:
+                raise ShardpointError(
+                    f"the adapter {found!r} registered for {cls.__module__}.{cls.__qualname__} cannot be imported "
+                    f"({type(e).__name__}: {e}); install the integration's extra, or register another adapter"
+                ) from e
+            assert isinstance(found, type)
+            _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = found
+        return found
+    return None
+
+
+def adapter_for(owner: Any, *, optimizer: Any = None, key_map: Any = None) -> Adapter:
+    """The adapter of ``owner``: the registered one for its class hierarchy, else
+    :class:`PlainAdapter` (``owner`` an ``nn.Module`` or None)."""
+    cls = adapter_class(owner) if owner is not None else None
+    return (cls or PlainAdapter)(owner, optimizer=optimizer, key_map=key_map)
+
+
+# -- load hooks anywhere in the tree -------------------------------------------------------------
+_HOOKS = ("_shardpoint_prepare_load", "_shardpoint_after_load", "_shardpoint_loaded")
+
+
+def _has_hooks(obj: Any) -> bool:
+    return any(callable(getattr(obj, h, None)) for h in _HOOKS)
+
+
+def _under(entries: Entries, key: str) -> Entries:
+    """``entries`` below ``key``, keyed relative to it."""
+    if key == "":
+        return entries
+    head = key + "/"
+    return {k[len(head) :]: e for k, e in entries.items() if k.startswith(head)}
+
+
+class LoadHooks:
+    """The Stateful objects with load hooks in one state tree, and their hooks run in
+    load order. Objects inside a :class:`~shardpoint.PerRank` value are not searched."""
+
+    def __init__(self) -> None:
+        self.owners: list[tuple[str, Any]] = []  # (key, object), outermost first
+
+    def prepare(self, state: Any, entries: Entries, select: Select) -> Walk:
+        """Run every object's ``_shardpoint_prepare_load`` and return the walk of
+        ``state`` that the load uses (taken after the objects created their state).
+        The root's hook runs before any walk; nested objects are found by one walk,
+        and the state is walked again only if one of them has a prepare hook."""
+        if _has_hooks(state):
+            self._prepare("", state, entries, select)
+        w = walk(state)
+        nested = [(k, o) for k, o in w.stateful if o is not state and _has_hooks(o)]
+        if not nested:
+            return w
+        again = False
+        for key, obj in nested:
+            again |= self._prepare(key, obj, entries, select)
+        return walk(state) if again else w
+
+    def _prepare(self, key: str, obj: Any, entries: Entries, select: Select) -> bool:
+        self.owners.append((key, obj))
+        hook = getattr(obj, "_shardpoint_prepare_load", None)
+        if not callable(hook):
+            return False
+        head = key + "/" if key else ""
+        hook(_under(entries, key), (lambda k: select(head + k)) if head else select)
+        return True
+
+    def after_load(self, report: LoadReport, rank: int) -> None:
+        """Each object's ``_shardpoint_after_load``, innermost first, on the part of the
+        report under its key (keyed relative to it)."""
+        for key, obj in reversed(self.owners):
+            hook = getattr(obj, "_shardpoint_after_load", None)
+            if callable(hook):
+                sub = report.take(key)
+                try:
+                    hook(sub, rank)
+                finally:
+                    report.put(key, sub)
+
+    def loaded(self) -> None:
+        """Each object's ``_shardpoint_loaded`` (collective), outermost first; only
+        after every rank's load succeeded."""
+        for _, obj in self.owners:
+            hook = getattr(obj, "_shardpoint_loaded", None)
+            if callable(hook):
+                hook()
