@@ -207,3 +207,42 @@ def test_runs_as_a_module_and_usage_errors_exit_2() -> None:
     run_ = subprocess.run([sys.executable, "-m", "shardpoint.cli", "inspect"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert run_.returncode == 2 and "the following arguments are required: path" in run_.stderr
+
+
+def _stderr_on_a_terminal(argv: list[str]) -> tuple[int, str]:
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "shardpoint.cli", *argv], stdout=subprocess.DEVNULL, stderr=slave,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "120"})
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            r, _, _ = select.select([master], [], [], 60)
+            if not r:
+                break
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # the child closed its end
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    return p.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_only_and_quiet_silences_it(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    shardpoint.save({"model": {f"w{i}": torch.randn(64, 64) for i in range(4)}}, tmp_path / "sp")
+    code, err = _stderr_on_a_terminal(["convert", "--to", "hf", str(tmp_path / "sp"), str(tmp_path / "a")])
+    assert code == 0 and "exporting" in err and "65.5" in err, err  # bytes done, drawn by rich
+    code, err = _stderr_on_a_terminal(["convert", "--to", "hf", "-q", str(tmp_path / "sp"), str(tmp_path / "b")])
+    assert code == 0 and err == ""
+    # not a terminal: nothing on stderr without --quiet either
+    out = subprocess.run([sys.executable, "-m", "shardpoint.cli", "convert", "--to", "hf", str(tmp_path / "sp"),
+                          str(tmp_path / "c")], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0 and out.stderr == ""

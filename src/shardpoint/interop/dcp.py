@@ -133,13 +133,19 @@ def _blob(root: str, info: Any, where: str) -> Any:
         data = f.read(info.length)
     if len(data) != info.length:
         raise CorruptCheckpointError(f"{info.relative_path} is truncated: {where} needs bytes {info.offset}..{info.offset + info.length}")
+    if not data.startswith(b"PK"):
+        raise ShardpointError(
+            f"{where} in {info.relative_path} is not a torch.save blob: the checkpoint was written with another DCP "
+            "serialization format (e.g. safetensors), which this importer does not read"
+        )
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        names = ", ".join(re.findall(r"GLOBAL ([\w.]+)", str(e))) or "a class"
         raise ShardpointError(
-            f"{where} in {info.relative_path} holds an object that needs pickled code to load ({e.args[0].splitlines()[0]}); "
-            "only tensors and plain values are imported. Load the checkpoint with torch.distributed.checkpoint where "
-            "you trust it and save that value as plain types"
+            f"{where} in {info.relative_path} needs pickled code to load ({names}); only tensors and plain values "
+            "are imported, since unpickling a class can run arbitrary code. Load the checkpoint with "
+            "torch.distributed.checkpoint where you trust it and save that value as plain types"
         ) from None
 
 
