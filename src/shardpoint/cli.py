@@ -432,7 +432,9 @@ def _convert(args: argparse.Namespace) -> int:
         if os.path.exists(os.path.join(args.dst, ".metadata")) and not args.overwrite:
             _err(f"a DCP checkpoint already exists at {args.dst}; pass --overwrite to replace it")
             return USAGE
-        export_dcp(args.src, args.dst, progress=not quiet)
+        left = export_dcp(args.src, args.dst, progress=not quiet)
+        if left:
+            print(f"left out per-rank values, which DCP cannot hold: {', '.join(left)}")
     else:
         from .interop.hf import export_hf
 

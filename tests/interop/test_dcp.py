@@ -200,6 +200,25 @@ def test_single_process_round_trip_keeps_nesting_and_values(tmp_path: Path) -> N
     assert back["it"] == 7 and back["optim"] == state["optim"] and torch.equal(back["model"]["w"], state["model"]["w"])
 
 
+def test_train_state_checkpoint_exports_without_its_per_rank_rng(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import shardpoint
+    from shardpoint.interop import export_dcp
+
+    model = torch.nn.Linear(3, 2)
+    shardpoint.save(shardpoint.TrainState(model=model, rng=True, step=4), tmp_path / "sp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        left = export_dcp(tmp_path / "sp", tmp_path / "dcp", progress=False)
+        assert left and all(k.startswith("rng/") for k in left)
+        back = {"model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, "extra": {"step": 0}}
+        dcp.load(back, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert torch.equal(back["model"]["weight"], model.weight.detach()) and back["extra"]["step"] == 4
+
+
 def test_missing_metadata_names_the_cause(tmp_path: Path) -> None:
     from shardpoint import CheckpointNotFoundError
     from shardpoint.interop import import_dcp

@@ -324,7 +324,7 @@ def _lookup(tree: Any, path: tuple[Any, ...]) -> Any:
 
 
 def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
-               storage_options: dict[str, Any] | None = None) -> None:
+               storage_options: dict[str, Any] | None = None) -> list[str]:
     """Write the shardpoint checkpoint ``src`` as a DCP directory ``dst`` that
     ``torch.distributed.checkpoint.load`` reads on any number of ranks.
 
@@ -332,8 +332,11 @@ def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
     from ``src`` only when the writer reaches them, a group of about
     :data:`READ_BUDGET` bytes at a time, so the whole model is never in memory.
     Keys map back to DCP's dotted names (``model/layer.weight`` -> ``model.layer.weight``).
-    Per-rank values have no DCP equivalent and are refused; pass a checkpoint
-    without them, or drop them (``load_full`` + ``dcp.save``).
+    Per-rank values (``TrainState``'s RNG streams, a per-rank data position) have
+    no DCP equivalent and are left out.
+
+    Returns:
+        The per-rank keys left out (empty when there were none).
     """
     import warnings
 
@@ -343,11 +346,6 @@ def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
     from ..api import load_full, metadata
 
     m = metadata(src, storage_options=storage_options)
-    if m.per_rank:
-        raise ShardpointError(
-            f"{src} holds per-rank values ({', '.join(sorted(m.per_rank))}), which DCP cannot represent; load the "
-            "checkpoint with shardpoint, or export the other keys with shardpoint.load_full and dcp.save"
-        )
     # the structure with every plain value, tensors as meta placeholders (no tensor data read)
     state = load_full(src, keys=sorted(m.values), storage_options=storage_options) if m.values else {}
     if not isinstance(state, dict):
@@ -377,6 +375,7 @@ def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
             dcp.save(state, storage_writer=FileSystemWriter(os.fspath(dst)), planner=_Planner(), no_dist=True)
+    return sorted(m.per_rank)
 
 
 def _put_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
