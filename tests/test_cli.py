@@ -189,6 +189,12 @@ def test_convert_forms_and_their_errors(tmp_path: Path, capsys: pytest.CaptureFi
     torch.save({"opt": torch.optim.SGD(model.parameters(), lr=0.1)}, tmp_path / "pickled.pt")
     code, _, err = run(capsys, "convert", "--from", "torch", str(tmp_path / "pickled.pt"), str(tmp_path / "sp4"))
     assert code == 2 and "needs pickled code" in err and "torch.optim.sgd.SGD" in err
+    (tmp_path / "evil").mkdir()
+    marker = tmp_path / "ran"
+    (tmp_path / "evil" / ".metadata").write_bytes(
+        b"cposix\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")  # os.system("touch ...") when unpickled
+    code, _, err = run(capsys, "convert", "--from", "dcp", str(tmp_path / "evil"), str(tmp_path / "sp5"))
+    assert code == 2 and "refusing to unpickle posix.system" in err and not marker.exists()
     with pytest.raises(SystemExit) as e:
         main(["convert", "--from", "zip", "a", "b"])
     assert e.value.code == 2

@@ -226,3 +226,49 @@ def test_missing_metadata_names_the_cause(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
     with pytest.raises(CheckpointNotFoundError, match=r"\.metadata is missing"):
         import_dcp(tmp_path / "d", tmp_path / "sp", progress=False)
+
+
+def _hand_written_dcp(folder: Path, t: torch.Tensor, boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> None:
+    """A DCP directory made with DCP's own metadata classes: ``boxes`` are
+    (writer rank, offsets, sizes) of ``t``, each a torch.save blob in that rank's file."""
+    import io
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    folder.mkdir()
+    chunks, storage, files = [], {}, {}
+    for rank, off, size in boxes:
+        blob = io.BytesIO()
+        torch.save(t[tuple(slice(o, o + s) for o, s in zip(off, size))].clone(), blob)
+        buf = files.setdefault(rank, bytearray())
+        storage[MetadataIndex("w", torch.Size(off))] = _StorageInfo(f"__{rank}_0.distcp", len(buf), len(blob.getvalue()))
+        buf += blob.getvalue()
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
+    for rank, buf in files.items():
+        (folder / f"__{rank}_0.distcp").write_bytes(bytes(buf))
+    md = TensorStorageMetadata(properties=TensorProperties(dtype=t.dtype), size=t.shape, chunks=chunks)
+    meta = Metadata(state_dict_metadata={"w": md}, planner_data={"w": ("w",)}, storage_data=storage)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+@pytest.mark.parametrize("boxes,chunks", [
+    ([(0, (0, 0), (2, 6)), (1, (2, 0), (2, 6))], 2),  # row blocks (FSDP2): kept as each rank's shard
+    ([(0, (0, 0), (4, 3)), (1, (0, 3), (4, 3))], 1),  # column blocks (tensor parallel): assembled on rank 0
+    ([(0, (0, 0), (2, 3)), (0, (0, 3), (2, 3)), (1, (2, 0), (2, 6))], 1),  # a 2-D mesh: two boxes on rank 0
+])
+def test_boxes_of_any_shape_import_exactly(tmp_path: Path, boxes: list[Any], chunks: int) -> None:
+    import shardpoint
+    from shardpoint.interop import import_dcp
+
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    _hand_written_dcp(tmp_path / "dcp", t, boxes)
+    assert import_dcp(tmp_path / "dcp", tmp_path / "sp", progress=False) == 2
+    assert torch.equal(shardpoint.load_full(tmp_path / "sp")["w"], t)
+    assert len(shardpoint.metadata(tmp_path / "sp").tensors["w"].chunks) == chunks
