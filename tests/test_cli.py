@@ -172,6 +172,10 @@ def test_convert_forms_and_their_errors(tmp_path: Path, capsys: pytest.CaptureFi
     from safetensors.torch import load_file
 
     assert sorted(load_file(tmp_path / "hf" / "model.safetensors")) == ["linear.bias", "linear.weight"]
+    code, out, _ = run(capsys, "convert", "--to", "hf", str(tmp_path / "sp"), str(tmp_path / "hf"), "--max-shard-size", "30B")
+    assert code == 0 and sorted(os.listdir(tmp_path / "hf")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    run(capsys, "convert", "--to", "hf", str(tmp_path / "sp"), str(tmp_path / "hf"), "--rename", "=linear.")
     code, _, _ = run(capsys, "convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "sp2"), "--rename", "linear.=")
     assert code == 0
     assert torch.equal(shardpoint.load_full(tmp_path / "sp2")["model"]["weight"], model.weight.detach())

@@ -177,9 +177,11 @@ def export_hf(
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(dst, fname))
     written = list(names)
-    for stale in ([INDEX] if n == 1 else [SINGLE]):  # a previous export's other layout would shadow this one
-        if os.path.exists(os.path.join(dst, stale)):
-            os.remove(os.path.join(dst, stale))
+    # a previous export's other layout (or shard count) would shadow or litter this one
+    stale = [f for f in os.listdir(dst) if (f in (SINGLE, INDEX) or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f))
+             and f not in names]
+    for f in stale:
+        os.remove(os.path.join(dst, f))
     if n > 1:
         weight_map = {rows[i][1]: fname for fname, idx in zip(names, shards) for i in idx}
         with open(os.path.join(dst, INDEX), "w") as f:
