@@ -188,6 +188,10 @@ def test_convert_forms_and_their_errors(tmp_path: Path, capsys: pytest.CaptureFi
     code, _, err = run(capsys, "convert", "--from", "torch", str(tmp_path / "ckpt.pt"), str(tmp_path / "sp"))
     assert code == 2 and "already exists" in err
 
+    code, _, err = run(capsys, "convert", "--to", "hf", "--dtype", "floaty", str(tmp_path / "sp"), str(tmp_path / "x"))
+    assert code == 2 and "floating-point dtype such as bfloat16" in err
+    code, _, err = run(capsys, "convert", "--to", "hf", "--max-shard-size", "5 parsecs", str(tmp_path / "sp"), str(tmp_path / "x"))
+    assert code == 2 and "write it like 5GB" in err
     code, _, err = run(capsys, "convert", "--from", "torch", "--to", "hf", str(tmp_path / "ckpt.pt"), str(tmp_path / "x"))
     assert code == 2 and "one side of convert is shardpoint" in err
     torch.save({"opt": torch.optim.SGD(model.parameters(), lr=0.1)}, tmp_path / "pickled.pt")

@@ -116,8 +116,8 @@ def export_hf(
     from ..api import load_full, metadata
 
     limit = parse_size(max_shard_size)
-    cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if cast is not None and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
+    cast = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if dtype is not None and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
         raise ShardpointError(f"dtype={dtype!r}: pass a floating-point dtype such as bfloat16, float16 or float32")
     rename = _renamer(key_map)
     m = metadata(src, storage_options=storage_options)
