@@ -174,6 +174,6 @@ def test_export_memory_stays_near_one_shard(tmp_path: Path) -> None:
     peak = int(out.stdout.split()[-1])
     print(f"HF export of {n * numel * 4 >> 20} MiB in {shard >> 20} MiB shards: peak RSS growth {peak / 2**20:.1f} MiB")
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) == 8
-    # one shard's group read, its copy on the way out, and a fixed allowance for the reader's threads and
+    # one shard's group of tensors, the reader's buffers for it, and a fixed allowance for the I/O threads and
     # allocator arenas; the whole checkpoint (64 MiB) would be far above
     assert peak < 2 * shard + (16 << 20), f"peak RSS grew by {peak} bytes for 8 MiB shards of a 64 MiB checkpoint"
