@@ -1,9 +1,9 @@
-"""``shardpoint``: list, inspect, verify, compare, prune and convert checkpoints.
+"""shardpoint: list, inspect, verify, compare, prune and convert checkpoints.
 
 Exit codes (every command): 0 ok; 1 the checkpoint is damaged, incomplete, or (for
-``diff``) the two differ; 2 a usage or environment error (bad arguments, no
-checkpoint at the path, a file refused). Progress bars go to stderr and only when
-it is a terminal; ``--quiet`` silences them.
+diff) the two differ; 2 a usage or environment error (bad arguments, no checkpoint
+at the path, a file refused). Progress bars go to stderr and only when it is a
+terminal; --quiet silences them.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     conv = cmd("convert", "convert a checkpoint between shardpoint and DeepSpeed, DCP, torch.save or HF safetensors")
     conv.add_argument("src")
     conv.add_argument("dst")
-    conv.add_argument("--from", dest="src_format", default="shardpoint", choices=["shardpoint", "deepspeed", "dcp", "torch", "hf"])
-    conv.add_argument("--to", dest="dst_format", default="shardpoint", choices=["shardpoint", "dcp", "hf"])
+    conv.add_argument("--from", dest="src_format", default="shardpoint", choices=["shardpoint", "deepspeed", "dcp", "torch", "hf"],
+                      help="format of SRC (default shardpoint)")
+    conv.add_argument("--to", dest="dst_format", default="shardpoint", choices=["shardpoint", "dcp", "hf"],
+                      help="format of DST (default shardpoint)")
     conv.add_argument("--overwrite", action="store_true", help="replace an existing shardpoint checkpoint at DST")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the old spelling of --quiet
