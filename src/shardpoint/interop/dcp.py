@@ -193,7 +193,7 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
     files = sorted({info.relative_path for info in where.values()})
     rank_of = _rank_of(files)
     world = max(rank_of.values(), default=0) + 1
-    # per rank: (fqn, kind, payload) items, kind "full" | "flat" | "gather" | "bytes"
+    # per rank: (fqn, kind, payload) items, kind "full" | "flat" | "gather" | "bytes" | "empty"
     plan: list[list[tuple[str, str, Any]]] = [[] for _ in range(world)]
     for fqn, md in meta.state_dict_metadata.items():
         if not hasattr(md, "chunks"):  # BytesStorageMetadata
@@ -210,6 +210,9 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
             if info is None:
                 raise CorruptCheckpointError(f"{root}/{METADATA}: no file holds the chunk of {fqn!r} at offsets {list(off)}")
             boxes.append((off, size, info))
+        if not boxes:  # an empty tensor: nothing was written for it
+            plan[0].append((fqn, "empty", (shape, md.properties.dtype)))
+            continue
         owners = [rank_of[i.relative_path] for _, _, i in boxes]
         starts = [_contiguous_start(shape, o, s) for o, s, _ in boxes]
         if len(boxes) == 1 and boxes[0][1] == shape:
@@ -237,6 +240,8 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
                     t = _tensor(_blob(root, info, label), size, label)
                     value = FlatShard(t.reshape(-1), shape, start)
                     bar.advance(info.length)
+                elif kind == "empty":
+                    value = torch.empty(payload[0], dtype=payload[1])
                 else:
                     shape, dtype, boxes = payload
                     value = torch.empty(shape, dtype=dtype)
