@@ -193,7 +193,7 @@ def main() -> None:
         drop_caches()
         ld = launch(script, "load", 2, dict(cfg, what="imported"), work, limit, env)
         rows["imp"] = {"conv_s": dt, "conv_rss": rss, "load": ld, "bytes": tree_bytes(cfg["imported"]),
-                       "base": run_timed([sys.executable, "-c", "import shardpoint.cli, shardpoint.integrations.deepspeed_import"],
+                       "base": run_timed([sys.executable, "-c", "import shardpoint.cli, shardpoint.interop.deepspeed"],
                                          limit, os.path.join(work, "base_sp.log"), env=env)}
 
         drop_caches()

@@ -22,7 +22,7 @@ def _run(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests/integrations/test_deepspeed_import.py")],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests/interop/test_deepspeed_import.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
 

@@ -515,8 +515,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, tag: st
             progress: bool = True, overwrite: bool = False) -> None:
     """Convert a checkpoint written by DeepSpeed's ``engine.save_checkpoint`` (ZeRO 1,
     2 or 3; fp32 or bf16) into a shardpoint checkpoint that loads on any world size.
-    See :func:`shardpoint.integrations.deepspeed_import.convert`."""
-    from .deepspeed_import import convert as _convert
+    See :func:`shardpoint.interop.deepspeed.convert`."""
+    from ..interop.deepspeed import convert as _convert
 
     _convert(src, dst, tag=tag, progress=progress, overwrite=overwrite)
 

@@ -21,8 +21,6 @@ import math
 import os
 import pickle
 import re
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +30,7 @@ import torch
 from ..errors import CheckpointNotFoundError, ShardpointError
 from ..layout import FlatShard
 from ..state import canonical_name
+from ._progress import Progress
 
 __all__ = ["convert", "rank_states", "inspect", "SAFE_GLOBALS", "DeepSpeedCheckpoint"]
 
@@ -334,50 +333,24 @@ def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
 
 def rank_states(ck: DeepSpeedCheckpoint, progress: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(rank, state)`` for each old rank, reading one rank's files at a time."""
-    bar = _Progress(ck.world_size, f"importing {ck.folder}") if progress else None
     cursor: list[int] = []
     model0: dict[str, Any] | None = None
-    for rank in range(ck.world_size):
-        if ck.stage == 3:
-            model_sd = load_file(ck.model_files[rank])
-            state = _zero3_rank(ck, rank, model_sd)
-        else:
-            if model0 is None:
-                model0 = load_file(ck.model_files[0])
-                cursor = [0] * len(model0["param_shapes"])
-            model_sd = model0
-            state = _zero12_rank(ck, rank, model_sd, cursor)
-        if model_sd.get("mp_world_size", 1) not in (1, None):
-            raise ShardpointError(f"{ck.folder}: model-parallel checkpoints (mp_world_size > 1) are not supported")
-        yield rank, state
-        del state, model_sd
-        if bar is not None:
-            bar.step()
-    if bar is not None:
-        bar.done()
-
-
-class _Progress:
-    """A one-line progress bar on stderr (no dependency)."""
-
-    def __init__(self, total: int, what: str) -> None:
-        self.total, self.n, self.what, self.t0 = total, 0, what, time.monotonic()
-        self._draw()
-
-    def _draw(self) -> None:
-        width = 30
-        fill = width * self.n // max(self.total, 1)
-        sys.stderr.write(f"\r{self.what}: [{'#' * fill}{' ' * (width - fill)}] rank {self.n}/{self.total} "
-                         f"{time.monotonic() - self.t0:.1f}s")
-        sys.stderr.flush()
-
-    def step(self) -> None:
-        self.n += 1
-        self._draw()
-
-    def done(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+    with Progress(ck.world_size, f"importing {ck.folder}", enabled=progress, unit="ranks") as bar:
+        for rank in range(ck.world_size):
+            if ck.stage == 3:
+                model_sd = load_file(ck.model_files[rank])
+                state = _zero3_rank(ck, rank, model_sd)
+            else:
+                if model0 is None:
+                    model0 = load_file(ck.model_files[0])
+                    cursor = [0] * len(model0["param_shapes"])
+                model_sd = model0
+                state = _zero12_rank(ck, rank, model_sd, cursor)
+            if model_sd.get("mp_world_size", 1) not in (1, None):
+                raise ShardpointError(f"{ck.folder}: model-parallel checkpoints (mp_world_size > 1) are not supported")
+            yield rank, state
+            del state, model_sd
+            bar.advance()
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, tag: str | None = None,
@@ -385,7 +358,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, tag: st
     """Convert the DeepSpeed checkpoint at ``src`` (its ``latest`` tag, or ``tag``)
     into a shardpoint checkpoint at ``dst``, as if the ``N`` ranks that wrote it had
     called :func:`shardpoint.integrations.deepspeed.save`. One process, no process
-    group; one DeepSpeed rank's files in memory at a time (memory-mapped)."""
+    group; one DeepSpeed rank's files in memory at a time (memory-mapped). The
+    progress bar goes to stderr, and only when it is a terminal."""
     from ..api import save_offline
 
     ck = inspect(src, tag)
