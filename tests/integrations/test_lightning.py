@@ -1,0 +1,77 @@
+"""PyTorch Lightning through ``ShardpointDDPStrategy``, end to end: ``Trainer.fit`` on
+2 real gloo ranks, stopped after 6 of 12 steps by ``max_steps``, resumed with
+``fit(ckpt_path="last")`` on 2 ranks (bitwise, dropout on) and on 1 rank (the global
+batch kept, dropout off), every sample consumed once; a resume without the optimizer
+breaks the bound; a save only rank 0 makes ends in the named error, not a hang."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests._dist import run_ranks
+from tests.integrations._frameworks import need, rel
+
+pytestmark = pytest.mark.distributed
+K, STEPS = 6, 12
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
+    need("lightning")
+    from tests.integrations import _lightning_worker as w
+
+    tmp = str(tmp_path_factory.mktemp("lightning"))
+    return tmp, run_ranks(w.same_world, 2, tmp, timeout=400)
+
+
+def _flat_ids(steps: list[list[list[int]]]) -> list[list[int]]:
+    """Per step, the global batch's ids (the ranks' shares in rank order)."""
+    return [sum((rank[i] for rank in steps), []) for i in range(len(steps[0]))]
+
+
+@pytest.mark.timeout(500)
+def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    _, res = two_ranks
+    for r in res:
+        base, first, resumed = r["base"], r["first"], r["resumed"]
+        assert len(first["losses"]) == K and len(resumed["losses"]) == STEPS - K
+        assert resumed["losses"] == base["losses"][K:]  # bitwise, with dropout
+        assert resumed["at_k"] == base["at_k"]  # parameters, optimizer state, scheduler, lr, RNG, step
+        assert resumed["at_k"]["step"] == K and resumed["at_k"]["sched"]["last_epoch"] == K
+        assert first["ids"] + resumed["ids"] == base["ids"]
+    ids = _flat_ids([r["base"]["ids"] for r in res])
+    epoch0, epoch1 = sum(ids[:8], []), sum(ids[8:], [])  # 64 samples: 8 steps of 8 per epoch
+    assert sorted(epoch0) == list(range(64)) and len(set(epoch1)) == len(epoch1) == 8 * (STEPS - 8)
+    # ModelCheckpoint's naming and top-k removal work on checkpoint directories
+    assert res[0]["listing"] == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    assert res[0]["listing_after"] == ["epoch=1-step=12.ckpt", "last.ckpt"]
+
+
+@pytest.mark.timeout(500)
+def test_misuse_on_rank_0_names_the_absent_rank_and_the_next_save_works(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    _, res = two_ranks
+    assert res[0]["misuse"]["ranks"] == [1], res[0]["misuse"]
+    assert "did not call it" in res[0]["misuse"]["msg"] and "is_global_zero" in res[0]["misuse"]["msg"]
+    assert res[1]["misuse"] is None
+    assert all(r["after_committed"] and not r["misuse_committed"] for r in res)
+
+
+@pytest.mark.timeout(500)
+def test_resume_on_one_rank_keeps_the_global_batch(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    from tests.integrations import _lightning_worker as w
+
+    tmp, res = two_ranks
+    shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_neg")
+    [one] = run_ranks(w.other_world, 1, f"{tmp}/run0", None, timeout=300)
+    [neg] = run_ranks(w.other_world, 1, f"{tmp}/run0_neg", ["optimizer"], timeout=300)
+    base = [(a + b) / 2 for a, b in zip(res[0]["base0"]["losses"], res[1]["base0"]["losses"])]  # the global loss
+    assert len(one["losses"]) == STEPS - K
+    worst = max(rel(a, b) for a, b in zip(one["losses"], base[K:]))
+    assert worst < 1e-4, (one["losses"], base[K:])
+    neg_worst = max(rel(a, b) for a, b in zip(neg["losses"], base[K:]))
+    assert neg_worst > 1e-4  # the negative control: without the optimizer the bound breaks
+    # the data: the first 6 steps on 2 ranks and the last 6 on 1 rank consumed the uninterrupted run's samples
+    first = _flat_ids([r["first0"]["ids"] for r in res])
+    assert first + one["ids"] == _flat_ids([r["base0"]["ids"] for r in res])
