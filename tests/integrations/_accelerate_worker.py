@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.integrations._hf_worker import GBS, K, STEPS, Data, Net, _digest
+from tests.integrations._hf_worker import GBS, STEPS, Data, K, Net, _digest
 
 
 class Counter:
