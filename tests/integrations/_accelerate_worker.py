@@ -91,5 +91,7 @@ def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
-def other_world(rank: int, world: int, root: str, exclude: list[str] | None) -> dict[str, Any]:
-    return _run(world, root, 0.0, STEPS, f"{root}/step_{K}", exclude=exclude)
+def other_world(rank: int, world: int, root: str, root_neg: str) -> dict[str, Any]:
+    """Resume on ``world`` ranks; then the negative control (a copy, without the optimizer)."""
+    return {"one": _run(world, root, 0.0, STEPS, f"{root}/step_{K}"),
+            "neg": _run(world, root_neg, 0.0, STEPS, f"{root_neg}/step_{K}", exclude=["optimizer"])}

@@ -11,20 +11,17 @@ import pytest
 
 
 def need(module: str, min_python: tuple[int, int] | None = None) -> None:
-    """Import ``module`` or skip (fail under CI=true) saying why."""
-    why = None
+    """Import ``module`` or skip (fail under CI=true) saying why. Below ``min_python``
+    the module cannot be installed at all: skip, CI or not."""
     if min_python is not None and sys.version_info < min_python:
-        why = f"{module} needs Python >= {min_python[0]}.{min_python[1]}"
-    else:
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            why = f"{module} cannot be imported ({e}); pip install 'shardpoint[lightning,hf]'"
-    if why is None:
-        return
-    if os.environ.get("CI", "").lower() == "true" and min_python is None:
-        pytest.fail(f"CI=true and {why}", pytrace=False)
-    pytest.skip(why)
+        pytest.skip(f"{module} needs Python >= {min_python[0]}.{min_python[1]}")
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        why = f"{module} cannot be imported ({e}); pip install 'shardpoint[lightning,hf]'"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true and {why}", pytrace=False)
+        pytest.skip(why)
 
 
 def rel(a: float, b: float) -> float:

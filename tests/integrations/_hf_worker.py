@@ -113,5 +113,7 @@ def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
-def other_world(rank: int, world: int, root: str, exclude: list[str] | None) -> dict[str, Any]:
-    return _train(world, root, 0.0, None, True, checkpoint_exclude=exclude)
+def other_world(rank: int, world: int, root: str, root_neg: str) -> dict[str, Any]:
+    """Resume on ``world`` ranks; then the negative control (a copy, without the optimizer)."""
+    return {"one": _train(world, root, 0.0, None, True),
+            "neg": _train(world, root_neg, 0.0, None, True, checkpoint_exclude=["optimizer"])}

@@ -130,7 +130,9 @@ def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
-def other_world(rank: int, world: int, root: str, exclude: list[str] | None) -> dict[str, Any]:
-    """Resume the 2-rank checkpoint without dropout (under ``root``) on ``world`` ranks."""
-    _, m = _fit(world, root, STEPS, 0.0, True, exclude=exclude)
-    return _result(m)
+def other_world(rank: int, world: int, root: str, root_neg: str) -> dict[str, Any]:
+    """Resume the 2-rank checkpoint without dropout (under ``root``) on ``world`` ranks;
+    then the negative control: the same from a copy (``root_neg``) without the optimizer."""
+    _, m = _fit(world, root, STEPS, 0.0, True)
+    _, neg = _fit(world, root_neg, STEPS, 0.0, True, exclude=["optimizer"])
+    return {"one": _result(m), "neg": _result(neg)}

@@ -65,8 +65,8 @@ def test_resume_on_one_rank_keeps_the_global_batch(two_ranks) -> None:  # type: 
 
     tmp, res = two_ranks
     shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_neg")
-    [one] = run_ranks(w.other_world, 1, f"{tmp}/run0", None, timeout=300)
-    [neg] = run_ranks(w.other_world, 1, f"{tmp}/run0_neg", ["optimizer"], timeout=300)
+    [r1] = run_ranks(w.other_world, 1, f"{tmp}/run0", f"{tmp}/run0_neg", timeout=400)
+    one, neg = r1["one"], r1["neg"]
     base = [(a + b) / 2 for a, b in zip(res[0]["base0"]["losses"], res[1]["base0"]["losses"])]
     assert len(one["losses"]) == STEPS - K
     assert max(rel(a, b) for a, b in zip(one["losses"], base[K:])) < 1e-4, (one["losses"], base[K:])
