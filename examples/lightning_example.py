@@ -55,7 +55,8 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, max_steps=args.steps, use_distributed_sampler=False,
         strategy=ShardpointDDPStrategy(process_group_backend="gloo"),
-        callbacks=[ModelCheckpoint(dirpath=args.out, every_n_train_steps=3, save_last=True, save_top_k=2)],
+        callbacks=[ModelCheckpoint(dirpath=args.out, every_n_train_steps=3, save_last=True,
+                                   monitor="step", mode="max", save_top_k=2)],
         logger=False, enable_progress_bar=False, enable_model_summary=False,
     )
     with warnings.catch_warnings():

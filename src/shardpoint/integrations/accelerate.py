@@ -122,8 +122,20 @@ class ResumableLoader:
         self._skip = self._yielded = samples // per_step
 
 
+def _unwrap(model: Any) -> Any:
+    """The module inside DDP / ``torch.compile`` wrappers (``accelerator.unwrap_model``
+    would import DeepSpeed, when installed, on every call)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
+
+
 def _train_state(accelerator: Any, rng: bool | int) -> TrainState:
-    models = [accelerator.unwrap_model(m) for m in accelerator._models]
+    models = [_unwrap(m) for m in accelerator._models]
     opts = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
     scheds = [getattr(s, "scheduler", s) for s in accelerator._schedulers]
     extra: dict[str, Any] = {}
