@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -16,10 +17,11 @@ GBS, N, K, STEPS = 8, 64, 6, 12  # global batch, dataset size, stop after K step
 
 
 def _digest(t: torch.Tensor) -> str:
+    t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
     return hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def _module(dropout: float) -> Any:
+def _module(dropout: float, fsdp2: bool = False) -> Any:
     import lightning.pytorch as pl
 
     class Net(pl.LightningModule):
@@ -49,6 +51,16 @@ def _module(dropout: float) -> Any:
             self.ids.append(ids.tolist())
             return loss
 
+        def configure_model(self) -> None:
+            if fsdp2:  # FSDP2 over Lightning's data-parallel mesh: DTensor parameters and optimizer state
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for m in self.net:
+                    if isinstance(m, torch.nn.Linear):
+                        fully_shard(m, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+
         def configure_optimizers(self) -> Any:
             opt = torch.optim.AdamW(self.parameters(), lr=0.05)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
@@ -69,18 +81,24 @@ def _loader(world: int) -> Any:
     return DataLoader(ds, batch_sampler=ElasticBatchSampler(N, GBS, GBS // world, seed=7))
 
 
-def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, **strategy_kw: Any) -> tuple[Any, Any]:
+def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, fsdp2: bool = False,
+         **strategy_kw: Any) -> tuple[Any, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from shardpoint.integrations.lightning import ShardpointDDPStrategy
+    from shardpoint.integrations.lightning import ShardpointDDPStrategy, ShardpointModelParallelStrategy
 
     pl.seed_everything(11, verbose=False)
-    module = _module(dropout)
+    module = _module(dropout, fsdp2)
     ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=1, save_last=True)
+    if fsdp2:
+        strategy = ShardpointModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                                   checkpoint_timeout=120, **strategy_kw)
+    else:
+        strategy = ShardpointDDPStrategy(process_group_backend="gloo", checkpoint_timeout=120, **strategy_kw)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1, max_steps=steps, use_distributed_sampler=False,
-        strategy=ShardpointDDPStrategy(process_group_backend="gloo", checkpoint_timeout=120, **strategy_kw),
+        strategy=strategy,
         callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=root,
     )
@@ -92,6 +110,25 @@ def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, **stra
 
 def _result(module: Any) -> dict[str, Any]:
     return {"losses": module.losses, "ids": module.ids, "at_k": module.at_k}
+
+
+def _misuse(trainer: Any, prefix: str) -> dict[str, Any]:
+    """A save guarded by ``is_global_zero`` ends in the named error on rank 0, no hang;
+    then a save every rank makes works."""
+    import shardpoint
+
+    out: dict[str, Any] = {"misuse": None}
+    trainer.strategy.checkpoint_timeout = 3.0
+    if trainer.is_global_zero:
+        try:
+            trainer.save_checkpoint(f"{prefix}_misuse.ckpt")
+        except shardpoint.CollectiveMismatchError as e:
+            out["misuse"] = {"ranks": e.ranks, "msg": str(e)}
+    trainer.strategy.checkpoint_timeout = 120.0
+    trainer.save_checkpoint(f"{prefix}_after.ckpt")  # every rank: works
+    out["after_committed"] = os.path.exists(f"{prefix}_after.ckpt/manifest.json")
+    out["misuse_committed"] = os.path.exists(f"{prefix}_misuse.ckpt/manifest.json")
+    return out
 
 
 def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -108,31 +145,31 @@ def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["resumed"] = _result(m)
     out["listing_after"] = sorted(os.listdir(f"{tmp}/run"))
 
+    # FSDP2 through ModelParallelStrategy: sharded parameters and optimizer state
+    _, m = _fit(world, f"{tmp}/fsdp_run", K, 0.0, False, fsdp2=True)
+    out["fsdp_first"] = _result(m)
+    out["fsdp_files"] = sorted(os.listdir(f"{tmp}/fsdp_run/last.ckpt"))
+    _, m = _fit(world, f"{tmp}/fsdp_run2", STEPS, 0.0, False, fsdp2=True)  # the uninterrupted FSDP2 run
+    out["fsdp_base"] = _result(m)
+    if rank == 0:  # for the resume on 1 rank
+        shutil.copytree(f"{tmp}/fsdp_run", f"{tmp}/fsdp_run_1rank")
+    trainer, m = _fit(world, f"{tmp}/fsdp_run", STEPS, 0.0, True, fsdp2=True)
+    out["fsdp_resumed"] = _result(m)
+    out["fsdp_misuse"] = _misuse(trainer, f"{tmp}/fsdp")
+
     _, m = _fit(world, f"{tmp}/base0", STEPS, 0.0, False)
     out["base0"] = _result(m)
     trainer, m = _fit(world, f"{tmp}/run0", K, 0.0, False)
     out["first0"] = _result(m)
 
-    # misuse: a save guarded by is_global_zero ends in the named error on rank 0, no hang
-    import shardpoint
-
-    trainer.strategy.checkpoint_timeout = 3.0
-    out["misuse"] = None
-    if trainer.is_global_zero:
-        try:
-            trainer.save_checkpoint(f"{tmp}/misuse.ckpt")
-        except shardpoint.CollectiveMismatchError as e:
-            out["misuse"] = {"ranks": e.ranks, "msg": str(e)}
-    trainer.strategy.checkpoint_timeout = 120.0
-    trainer.save_checkpoint(f"{tmp}/after.ckpt")  # every rank: works
-    out["after_committed"] = os.path.exists(f"{tmp}/after.ckpt/manifest.json")
-    out["misuse_committed"] = os.path.exists(f"{tmp}/misuse.ckpt/manifest.json")
+    out.update(_misuse(trainer, f"{tmp}/ddp"))
     return out
 
 
-def other_world(rank: int, world: int, root: str, root_neg: str) -> dict[str, Any]:
-    """Resume the 2-rank checkpoint without dropout (under ``root``) on ``world`` ranks;
-    then the negative control: the same from a copy (``root_neg``) without the optimizer."""
-    _, m = _fit(world, root, STEPS, 0.0, True)
-    _, neg = _fit(world, root_neg, STEPS, 0.0, True, exclude=["optimizer"])
-    return {"one": _result(m), "neg": _result(neg)}
+def other_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """On ``world`` ranks: resume the 2-rank DDP checkpoint without dropout; the negative
+    control (a copy, without the optimizer); the 2-rank FSDP2 checkpoint."""
+    _, m = _fit(world, f"{tmp}/run0", STEPS, 0.0, True)
+    _, neg = _fit(world, f"{tmp}/run0_neg", STEPS, 0.0, True, exclude=["optimizer"])
+    _, fsdp = _fit(world, f"{tmp}/fsdp_run_1rank", STEPS, 0.0, True, fsdp2=True)
+    return {"one": _result(m), "neg": _result(neg), "fsdp": _result(fsdp)}

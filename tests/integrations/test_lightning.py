@@ -26,6 +26,19 @@ def two_ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
     return tmp, run_ranks(w.same_world, 2, tmp, timeout=400)
 
 
+_ONE: dict[str, dict] = {}
+
+
+def _one_rank(tmp: str) -> dict:
+    """The 1-rank resumes (DDP, its negative control, FSDP2), run once for the module."""
+    if tmp not in _ONE:
+        from tests.integrations import _lightning_worker as w
+
+        shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_neg")
+        [_ONE[tmp]] = run_ranks(w.other_world, 1, tmp, timeout=400)
+    return _ONE[tmp]
+
+
 def _flat_ids(steps: list[list[list[int]]]) -> list[list[int]]:
     """Per step, the global batch's ids (the ranks' shares in rank order)."""
     return [sum((rank[i] for rank in steps), []) for i in range(len(steps[0]))]
@@ -52,19 +65,17 @@ def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[n
 @pytest.mark.timeout(500)
 def test_misuse_on_rank_0_names_the_absent_rank_and_the_next_save_works(two_ranks) -> None:  # type: ignore[no-untyped-def]
     _, res = two_ranks
-    assert res[0]["misuse"]["ranks"] == [1], res[0]["misuse"]
-    assert "did not call it" in res[0]["misuse"]["msg"] and "is_global_zero" in res[0]["misuse"]["msg"]
-    assert res[1]["misuse"] is None
-    assert all(r["after_committed"] and not r["misuse_committed"] for r in res)
+    for found in ([r for r in res], [r["fsdp_misuse"] for r in res]):  # DDP, then ModelParallelStrategy
+        assert found[0]["misuse"]["ranks"] == [1], found[0]["misuse"]
+        assert "did not call it" in found[0]["misuse"]["msg"] and "is_global_zero" in found[0]["misuse"]["msg"]
+        assert found[1]["misuse"] is None
+        assert all(r["after_committed"] and not r["misuse_committed"] for r in found)
 
 
 @pytest.mark.timeout(500)
 def test_resume_on_one_rank_keeps_the_global_batch(two_ranks) -> None:  # type: ignore[no-untyped-def]
-    from tests.integrations import _lightning_worker as w
-
     tmp, res = two_ranks
-    shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_neg")
-    [r1] = run_ranks(w.other_world, 1, f"{tmp}/run0", f"{tmp}/run0_neg", timeout=400)
+    r1 = _one_rank(tmp)
     one, neg = r1["one"], r1["neg"]
     base = [(a + b) / 2 for a, b in zip(res[0]["base0"]["losses"], res[1]["base0"]["losses"])]  # the global loss
     assert len(one["losses"]) == STEPS - K
@@ -75,3 +86,19 @@ def test_resume_on_one_rank_keeps_the_global_batch(two_ranks) -> None:  # type: 
     # the data: the first 6 steps on 2 ranks and the last 6 on 1 rank consumed the uninterrupted run's samples
     first = _flat_ids([r["first0"]["ids"] for r in res])
     assert first + one["ids"] == _flat_ids([r["base0"]["ids"] for r in res])
+
+
+@pytest.mark.timeout(500)
+def test_fsdp2_model_parallel_strategy_resumes_on_two_ranks_and_on_one(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    """ModelParallelStrategy with FSDP2 on the CPU: each rank writes its own shards; the
+    resume is bitwise on 2 ranks and within 1e-4 (the global batch kept) on 1."""
+    tmp, res = two_ranks
+    for r in res:
+        assert r["fsdp_first"]["losses"] + r["fsdp_resumed"]["losses"] == r["fsdp_base"]["losses"]
+        assert r["fsdp_first"]["ids"] + r["fsdp_resumed"]["ids"] == r["fsdp_base"]["ids"]
+    assert sum(f.endswith(".safetensors") for f in res[0]["fsdp_files"]) == 2  # both ranks wrote shards
+    base = [(a + b) / 2 for a, b in zip(res[0]["fsdp_base"]["losses"], res[1]["fsdp_base"]["losses"])]
+    one = _one_rank(tmp)["fsdp"]
+    assert max(rel(a, b) for a, b in zip(one["losses"], base[K:])) < 1e-4
+    assert _flat_ids([r["fsdp_first"]["ids"] for r in res]) + one["ids"] == _flat_ids(
+        [r["fsdp_base"]["ids"] for r in res])

@@ -5,7 +5,9 @@ Lightning's base ``Strategy.save_checkpoint`` and ``remove_checkpoint`` call the
 ``CheckpointIO`` on global rank 0 only, so a collective ``CheckpointIO`` alone would
 hang under DDP. The smallest sound hook is the strategy: :class:`ShardpointDDPStrategy`
 (a :class:`ShardpointStrategyMixin` over ``DDPStrategy``) saves on every rank and
-returns Lightning's full checkpoint dict from ``load_checkpoint``::
+returns Lightning's full checkpoint dict from ``load_checkpoint``;
+:class:`ShardpointModelParallelStrategy` does the same over ``ModelParallelStrategy``
+(FSDP2), each rank writing its own shards::
 
     from shardpoint.integrations.lightning import ShardpointDDPStrategy
 
@@ -42,7 +44,7 @@ from typing import Any
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shardpoint.integrations.lightning needs PyTorch Lightning (the `lightning` package): "
@@ -55,7 +57,7 @@ from ..errors import ShardpointError
 from ..state import TrainState
 from ._trainer import apply_rng, arrive, capture_rng
 
-__all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy"]
+__all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy"]
 
 _MODEL_PARTS = ("state_dict", "optimizer_states", "lr_schedulers")
 
@@ -200,6 +202,25 @@ class ShardpointDDPStrategy(ShardpointStrategyMixin, DDPStrategy):
     DDPStrategy's arguments and :class:`ShardpointStrategyMixin`'s."""
 
     strategy_name = "shardpoint_ddp"
+
+
+class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 / tensor parallel over a device mesh) whose
+    checkpoints go through shardpoint on every rank: each rank writes only its shards
+    (DTensor parameters and optimizer state), and a checkpoint loads on any mesh size.
+    Takes ModelParallelStrategy's arguments and :class:`ShardpointStrategyMixin`'s.
+
+    Lightning's dict carries no model or optimizer state here (the save reads the live,
+    sharded objects), so building it gathers nothing and a save only rank 0 makes
+    reaches the arrival check instead of hanging in a collective."""
+
+    strategy_name = "shardpoint_model_parallel"
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
 
 
 _RESUMABLE: dict[type, type] = {}
