@@ -138,6 +138,12 @@ class ShardpointStrategyMixin:
         number of ranks; returns Lightning's full checkpoint dict."""
         path = os.fspath(checkpoint_path)
         arrive("load", path, "", self.checkpoint_timeout)
+        if os.path.isfile(path):
+            raise ShardpointError(
+                f"{path} is a file, not a shardpoint checkpoint (a directory with a manifest.json): it was written by "
+                f"Lightning's own CheckpointIO. Resume it once with the stock strategy, then save with "
+                f"{type(self).__name__}"
+            )
         meta = api.metadata(path)
         with_optimizer = any(k.startswith("optimizer/") for k in meta.tensors) or any(
             k.startswith("optimizer/") for k in meta.values
