@@ -31,6 +31,7 @@ def _module(dropout: float, fsdp2: bool = False) -> Any:
                                            torch.nn.Linear(16, 1))
             self.losses: list[float] = []
             self.ids: list[list[int]] = []
+            self.batch_idx: list[int] = []
             self.at_k: dict[str, Any] = {}
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -49,6 +50,7 @@ def _module(dropout: float, fsdp2: bool = False) -> Any:
             loss = torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
             self.losses.append(loss.item())
             self.ids.append(ids.tolist())
+            self.batch_idx.append(batch_idx)
             return loss
 
         def configure_model(self) -> None:
@@ -69,7 +71,7 @@ def _module(dropout: float, fsdp2: bool = False) -> Any:
     return Net()
 
 
-def _loader(world: int) -> Any:
+def _loader(world: int, micro: int | None = None) -> Any:
     from torch.utils.data import DataLoader, TensorDataset
 
     from shardpoint.elastic import ElasticBatchSampler
@@ -78,11 +80,11 @@ def _loader(world: int) -> Any:
     x = torch.randn(N, 4, generator=g)
     y = x.sum(1).sin()
     ds = TensorDataset(torch.arange(N), x, y)
-    return DataLoader(ds, batch_sampler=ElasticBatchSampler(N, GBS, GBS // world, seed=7))
+    return DataLoader(ds, batch_sampler=ElasticBatchSampler(N, GBS, micro or GBS // world, seed=7))
 
 
 def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, fsdp2: bool = False,
-         **strategy_kw: Any) -> tuple[Any, Any]:
+         micro: int | None = None, **strategy_kw: Any) -> tuple[Any, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -100,16 +102,16 @@ def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, fsdp2:
         accelerator="cpu", devices=world, num_nodes=1, max_steps=steps, use_distributed_sampler=False,
         strategy=strategy,
         callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=root,
+        num_sanity_val_steps=0, default_root_dir=root, accumulate_grad_batches=GBS // world // (micro or GBS // world),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, _loader(world), ckpt_path="last" if resume else None)
+        trainer.fit(module, _loader(world, micro), ckpt_path="last" if resume else None)
     return trainer, module
 
 
 def _result(module: Any) -> dict[str, Any]:
-    return {"losses": module.losses, "ids": module.ids, "at_k": module.at_k}
+    return {"losses": module.losses, "ids": module.ids, "at_k": module.at_k, "batch_idx": module.batch_idx}
 
 
 def _misuse(trainer: Any, prefix: str) -> dict[str, Any]:
@@ -172,4 +174,6 @@ def other_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     _, m = _fit(world, f"{tmp}/run0", STEPS, 0.0, True)
     _, neg = _fit(world, f"{tmp}/run0_neg", STEPS, 0.0, True, exclude=["optimizer"])
     _, fsdp = _fit(world, f"{tmp}/fsdp_run_1rank", STEPS, 0.0, True, fsdp2=True)
-    return {"one": _result(m), "neg": _result(neg), "fsdp": _result(fsdp)}
+    # the per-rank micro-batch kept (4), the global batch kept by accumulating 2 of them
+    _, acc = _fit(world, f"{tmp}/run0_acc", STEPS, 0.0, True, micro=GBS // 2)
+    return {"one": _result(m), "neg": _result(neg), "fsdp": _result(fsdp), "acc": _result(acc)}

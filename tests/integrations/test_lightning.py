@@ -35,6 +35,7 @@ def _one_rank(tmp: str) -> dict:
         from tests.integrations import _lightning_worker as w
 
         shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_neg")
+        shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_acc")
         [_ONE[tmp]] = run_ranks(w.other_world, 1, tmp, timeout=400)
     return _ONE[tmp]
 
@@ -102,3 +103,19 @@ def test_fsdp2_model_parallel_strategy_resumes_on_two_ranks_and_on_one(two_ranks
     assert max(rel(a, b) for a, b in zip(one["losses"], base[K:])) < 1e-4
     assert _flat_ids([r["fsdp_first"]["ids"] for r in res]) + one["ids"] == _flat_ids(
         [r["fsdp_base"]["ids"] for r in res])
+
+
+@pytest.mark.timeout(500)
+def test_resume_on_one_rank_with_gradient_accumulation(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    """2 ranks x 4 samples -> 1 rank x 2 micro-batches of 4 (accumulate_grad_batches=2):
+    Lightning's micro-batch counters are rescaled, the run continues on the same samples."""
+    tmp, res = two_ranks
+    acc = _one_rank(tmp)["acc"]
+    base = [(a + b) / 2 for a, b in zip(res[0]["base0"]["losses"], res[1]["base0"]["losses"])]
+    assert len(acc["losses"]) == 2 * (STEPS - K)  # two micro-batches per step
+    # batch_idx counts this run's micro-batches: 12 done in epoch 0 (6 steps x 2), 16 in an epoch
+    assert acc["batch_idx"] == [12, 13, 14, 15] + list(range(8)), acc["batch_idx"]
+    steps = [(acc["losses"][i] + acc["losses"][i + 1]) / 2 for i in range(0, len(acc["losses"]), 2)]
+    assert max(rel(a, b) for a, b in zip(steps, base[K:])) < 1e-4, (steps, base[K:])
+    ids = [acc["ids"][i] + acc["ids"][i + 1] for i in range(0, len(acc["ids"]), 2)]
+    assert _flat_ids([r["first0"]["ids"] for r in res]) + ids == _flat_ids([r["base0"]["ids"] for r in res])

@@ -26,10 +26,12 @@ has it, which is what Lightning's own checkpoint holds.
 Data position: a ``DataLoader(batch_sampler=ElasticBatchSampler(...))`` is made
 resumable (Lightning saves and restores it as a stateful loader) and its position
 moves after each optimizer step, so a resumed run, on any number of ranks, sees
-exactly the samples the uninterrupted run would have seen. Use one micro-batch per
-rank per optimizer step (``accumulate_grad_batches=1``; change ``micro_batch_size``
-with the world size to keep the global batch): Lightning's batch counters count
-micro-batches per rank, which carry over only when that number does not change.
+exactly the samples the uninterrupted run would have seen. On another world size,
+keep the global batch: change ``micro_batch_size`` or set
+``Trainer(accumulate_grad_batches=sampler.accumulation_steps)``; Lightning's batch
+counters count micro-batches per rank, so they are rescaled on load to this run's
+accumulation (the checkpoint must sit at an optimizer-step boundary, as
+``ModelCheckpoint(every_n_train_steps=...)`` saves).
 A ``DistributedSampler`` has no position: Lightning restarts its epoch.
 
 Lightning is imported when this module is: ``import shardpoint`` never needs it.
@@ -130,6 +132,9 @@ class ShardpointStrategyMixin:
         path = os.fspath(filepath)
         arrive("save", path, checkpoint.get("global_step", ""), self.checkpoint_timeout)
         rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_PARTS}
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is not None:  # Lightning's batch counters count micro-batches: record how many make a step
+            rest["shardpoint"] = {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
         state = self._train_state("optimizer_states" in checkpoint, rest if self.is_global_zero else {})  # type: ignore[attr-defined]
         api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options)
 
@@ -156,11 +161,38 @@ class ShardpointStrategyMixin:
         if state.rng is not False and report.per_rank.get("rng/streams") in ("restored", "derived"):
             self._pending_rng = capture_rng()
         out = dict(state.extra.get("lightning") or {})
+        self._rescale_batch_counters(out, path)
         out["state_dict"] = self.lightning_module.state_dict()  # type: ignore[attr-defined]
         if state.optimizer is not None:
             out["optimizer_states"] = [state.optimizer.state_dict()]
             out["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]  # type: ignore[attr-defined]
         return out
+
+    def _rescale_batch_counters(self, ckpt: dict[str, Any], path: str) -> None:
+        """Lightning counts micro-batches per rank; when this run makes an optimizer
+        step of another number of them (the global batch kept on another world size),
+        express the saved counts in this run's micro-batches."""
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        saved = (ckpt.get("shardpoint") or {}).get("accumulate_grad_batches")
+        if trainer is None or not saved or saved == trainer.accumulate_grad_batches:
+            return
+        now = int(trainer.accumulate_grad_batches)
+        try:
+            progress = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        except (KeyError, TypeError):
+            return
+        for part in ("total", "current"):
+            c = progress[part]
+            if c["ready"] % saved:
+                raise ShardpointError(
+                    f"{path} was saved after {c['ready']} micro-batches, inside an optimizer step of {saved}; with "
+                    f"accumulate_grad_batches={now} it can only resume at a step boundary (save with "
+                    "ModelCheckpoint(every_n_train_steps=...))"
+                )
+            done = c["completed"] - c["ready"]  # -1 when saved from on_train_batch_end
+            for k in ("ready", "started", "processed"):
+                c[k] = c[k] // saved * now
+            c["completed"] = c["ready"] + done
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 removes a checkpoint directory: its manifest first, so a removal cut
