@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU build (a bare `torch` would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,deepspeed]" torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev,deepspeed,lightning,hf]" torch==2.13.0
 	# strace proves the fsync order of a save; install it when we may (root), else that test skips
 	-command -v strace >/dev/null || (command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 	  (apt-get update -qq && apt-get install -y -qq strace) >/dev/null 2>&1)

@@ -1,0 +1,77 @@
+"""The Hugging Face Trainer through ``ShardpointTrainer``, end to end: ``Trainer.train``
+on 2 real gloo ranks stopped after 6 of 12 steps, resumed with
+``resume_from_checkpoint=True`` (which skips a newer folder that never committed) on
+2 ranks (bitwise, dropout on) and on 1 rank (the global batch kept, dropout off),
+every sample consumed once; a resume without the optimizer breaks the bound; a save
+only rank 0 makes ends in the named error, not a hang, and the next save works."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests._dist import run_ranks
+from tests.integrations._frameworks import need, rel
+
+pytestmark = pytest.mark.distributed
+K, STEPS = 6, 12
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):  # type: ignore[no-untyped-def]
+    need("transformers", min_python=(3, 11))
+    from tests.integrations import _hf_worker as w
+
+    tmp = str(tmp_path_factory.mktemp("hf"))
+    return tmp, run_ranks(w.same_world, 2, tmp, timeout=400)
+
+
+def _global(steps: list[list[list[int]]]) -> list[list[int]]:
+    return [sum((rank[i] for rank in steps), []) for i in range(len(steps[0]))]
+
+
+@pytest.mark.timeout(500)
+def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    _, res = two_ranks
+    for r in res:
+        base, first, resumed = r["base"], r["first"], r["resumed"]
+        assert len(first["losses"]) == K and len(resumed["losses"]) == STEPS - K
+        assert resumed["losses"] == base["losses"][K:]  # bitwise, with dropout
+        assert resumed["rng"] == base["rng"][K:]  # RNG at every step after the resume
+        assert resumed["at_k"] == base["at_k"] and resumed["at_k"]["step"] == K  # params, optimizer, scheduler, lr
+        assert first["ids"] + resumed["ids"] == base["ids"]
+        assert resumed["step"] == STEPS
+    ids = _global([r["base"]["ids"] for r in res])
+    assert sorted(sum(ids[:8], [])) == list(range(64))  # one epoch: each sample once
+    # rotation (save_total_limit=2) keeps the newest committed checkpoints and never the one the run
+    # resumed from (checkpoint-6); the never-committed checkpoint-9 that the resume skipped was replaced
+    # by the resumed run's own save at step 9
+    assert res[0]["first"]["listing"] == ["checkpoint-3", "checkpoint-6"]
+    assert res[0]["resumed"]["listing"] == ["checkpoint-12", "checkpoint-6", "checkpoint-9"]
+
+
+@pytest.mark.timeout(500)
+def test_misuse_on_rank_0_names_the_absent_rank_and_the_next_save_works(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    _, res = two_ranks
+    m = res[0]["first"]["misuse"]
+    assert m["ranks"] == [1] and "did not call it" in m["msg"] and "checkpoint-2" in m["msg"], m
+    assert res[1]["first"]["misuse"] is None
+    assert "checkpoint-2" not in res[0]["first"]["listing"]  # and the saves at steps 3 and 6 worked
+
+
+@pytest.mark.timeout(500)
+def test_resume_on_one_rank_keeps_the_global_batch(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    from tests.integrations import _hf_worker as w
+
+    tmp, res = two_ranks
+    shutil.copytree(f"{tmp}/run0", f"{tmp}/run0_neg")
+    [r1] = run_ranks(w.other_world, 1, f"{tmp}/run0", f"{tmp}/run0_neg", timeout=400)
+    one, neg = r1["one"], r1["neg"]
+    base = [(a + b) / 2 for a, b in zip(res[0]["base0"]["losses"], res[1]["base0"]["losses"])]
+    assert len(one["losses"]) == STEPS - K
+    worst = max(rel(a, b) for a, b in zip(one["losses"], base[K:]))
+    assert worst < 1e-4, (one["losses"], base[K:])
+    assert max(rel(a, b) for a, b in zip(neg["losses"], base[K:])) > 1e-4  # negative control
+    first = _global([r["first0"]["ids"] for r in res])
+    assert first + one["ids"] == _global([r["base0"]["ids"] for r in res])
