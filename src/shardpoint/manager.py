@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import torch
-
 from . import _save
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
 from .errors import CorruptCheckpointError, ShardpointError
@@ -189,7 +187,11 @@ class CheckpointManager:
         """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
         Collective. Returns None, touching nothing, when there is no checkpoint (and
         raises :class:`CheckpointNotFoundError` when an explicit ``step`` is absent).
-        The report's ``step`` says which step was loaded."""
+        The report's ``step`` says which step was loaded. Waits for an asynchronous
+        save in flight first, so that it is found (its error stays for :meth:`wait`)."""
+        from .asyncsave import settle_in_flight
+
+        settle_in_flight()
         if step is None:
             info = self.latest()
             if info is None:
@@ -218,14 +220,12 @@ class CheckpointManager:
     def save_if_preempted(self, state: Any, step: int) -> bool:
         """Collective; call it once per step on every rank. If any rank was told to
         stop, every rank saves ``step`` and this returns True (then exit); otherwise
-        returns False. One small all-reduce on the checkpoint group per call."""
+        returns False. One small all-reduce per call, on a lane of its own: it does
+        not wait for an asynchronous save in flight (the save it starts does)."""
         from .collective import Comm
 
-        comm = Comm(self.process_group, self.timeout)
-        flag = torch.tensor([1 if self._preempt.is_set() else 0], dtype=torch.uint8)
-        if comm.world > 1:
-            comm.group()  # every rank calls this at the same step, so the group can be made here
-        if not int(comm.any_true(flag)[0]):
+        # the channel's control lane: never waits for a save in flight
+        if not Comm(self.process_group, self.timeout).flag_any(self._preempt.is_set()):
             return False
         self.save(state, step)
         return True
