@@ -178,8 +178,8 @@ def _at_exit() -> None:
     abandoned = not h._done.wait(EXIT_GRACE)
     if abandoned:
         close_channels()  # a thread blocked in a collective returns with an error now
-        h._done.wait(2.0)
-    h._join(2.0)
+    if h._done.wait(2.0 if abandoned else 0.0):
+        h._join(5.0)
     if abandoned or (h._error is not None and h is _in_flight):
         what = f"step {h.step} ({h.path})" if h.step is not None else h.path
         print(
