@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import threading
@@ -45,6 +47,10 @@ PEER_GRACE = float(os.environ.get("SHARDPOINT_PEER_GRACE", 1.0))
 #: Added to the arrival counter by the rank that gives a call up: any later
 #: arrival reads a count at or above it and knows the call was abandoned.
 _ABORT = 1 << 40
+
+#: Slice of a wait for a checkpoint collective (a wait returns as soon as the
+#: collective completes; the slices only bound how late a closed channel is seen).
+_POLL = timedelta(seconds=0.25)
 
 _channels: dict[str, _Channel] = {}
 _lock = threading.Lock()
@@ -98,16 +104,18 @@ class _Channel:
             self.background = None
 
     def close(self) -> None:
-        """At interpreter exit: fail the lanes' pending and future collectives at
-        once (a background save blocked in one returns with an error instead of
-        waking up inside a finalising interpreter)."""
+        """At interpreter exit: fail the lanes' pending and future collectives
+        within :data:`_POLL` seconds, so that a background save blocked in one
+        ends while the interpreter is whole (see :meth:`Comm._run`)."""
         self.closing = True
-        for g in (self.data, self.ctl):
-            if g is not None:
-                try:
-                    g.abort()
-                except Exception:  # noqa: BLE001 - already destroyed with the default group
-                    pass
+
+
+@functools.cache
+def _takes_async_op(collective: Any) -> bool:
+    try:
+        return "async_op" in inspect.signature(collective).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class _Solo:
@@ -329,13 +337,32 @@ class Comm:
         ch = self.channel
         assert ch is not None
         group = self.group() if lane == "data" else ch.ctl
+        closed = "the process is exiting: shardpoint's checkpoint collectives are closed"
         if ch.closing:
-            raise ShardpointError("the process is exiting: shardpoint's checkpoint collectives are closed")
+            raise ShardpointError(closed)
         try:
-            collective(*args, group=group, **kwargs)
+            if not _takes_async_op(collective):
+                collective(*args, group=group, **kwargs)
+                return
+            # wait in short slices: a thread blocked in gloo must get back to Python
+            # while the interpreter is whole, or it is killed inside torch's C++ code
+            # when it finalises (SIGABRT); the exit handler closes the channel
+            work = collective(*args, group=group, async_op=True, **kwargs)
+            while True:
+                try:
+                    work.wait(timeout=_POLL)
+                    return
+                except Exception:  # noqa: BLE001 - "Operation timed out!" or the collective's own error
+                    if work.is_completed():
+                        work.wait()  # raises the collective's own error, if that is what it was
+                        return
+                    if ch.closing:
+                        raise ShardpointError(closed) from None
+        except ShardpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
             if ch.closing:
-                raise ShardpointError("the process is exiting: shardpoint's checkpoint collectives are closed") from e
+                raise ShardpointError(closed) from e
             raise self._peer_failure(e) from e
 
     def _peer_failure(self, cause: BaseException) -> CollectiveMismatchError:

@@ -241,3 +241,36 @@ def test_arrival_costs_a_constant_number_of_store_operations_per_rank() -> None:
                    for res in results), [res["counts"][i] for res in results]
     # nothing is left behind: the store holds as many keys after the calls as before
     assert results[0]["after"] == results[0]["before"], results[0]
+
+
+_STUCK_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist, shardpoint
+    from datetime import timedelta
+    from shardpoint import _save
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    if rank == 0:  # holds the save between writing and the exchange of write statuses
+        _save.phase_hook = lambda phase: time.sleep(20) if phase == "written" else None
+    mgr = shardpoint.CheckpointManager(sys.argv[1])
+    mgr.save(shardpoint.TrainState(rng=False, w=torch.ones(1000)), 3, blocking=False)
+    if rank == 0:
+        time.sleep(25)  # rank 1 has exited by now; the save fails here and is reported at exit
+    print("leaving", rank, flush=True)
+""")
+
+
+def test_exit_while_a_peer_holds_the_save_ends_cleanly(tmp_path: Path) -> None:
+    """Rank 1 exits while its save's collective waits for rank 0: after the exit
+    grace its thread leaves gloo, the process warns and exits 0 (no SIGABRT from
+    a thread killed inside torch), and nothing is committed."""
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_SCRIPT)
+    os.environ["SHARDPOINT_EXIT_GRACE"] = "1"
+    try:
+        proc = _torchrun(script, 2, str(tmp_path / "ckpt"))
+    finally:
+        del os.environ["SHARDPOINT_EXIT_GRACE"]
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.count("leaving") == 2
+    assert proc.stderr.count("step 3") >= 2 and "NOT committed" in proc.stderr, proc.stderr[-4000:]
+    assert shardpoint.CheckpointManager(tmp_path / "ckpt").latest() is None
