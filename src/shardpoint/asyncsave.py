@@ -180,10 +180,11 @@ def _at_exit() -> None:
         close_channels()  # a thread blocked in a collective returns with an error now
     if h._done.wait(2.0 if abandoned else 0.0):
         h._join(5.0)
-    if abandoned or (h._error is not None and h is _in_flight):
+    if not h.done() or h._error is not None:  # a save that committed within the grace is no news
         what = f"step {h.step} ({h.path})" if h.step is not None else h.path
+        how = "was still in flight at exit" if abandoned else f"failed ({type(h._error).__name__}: {h._error})"
         print(
-            f"shardpoint WARNING: the asynchronous save of {what} was still in flight at exit and was NOT committed "
+            f"shardpoint WARNING: the asynchronous save of {what} {how} and was NOT committed "
             "(no manifest was written, so it does not count as a checkpoint). Call handle.wait() or "
             "CheckpointManager.wait() before exiting or destroying the process group.",
             file=sys.stderr,
