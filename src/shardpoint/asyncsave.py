@@ -171,15 +171,20 @@ def save_async(comm: Comm, storage: Storage, state: Any, overwrite: bool, after_
 def _at_exit() -> None:
     """Give the save in flight :data:`EXIT_GRACE` seconds, then close the
     channels so that its thread ends (with an error) while the interpreter is
-    still whole; warn when it did not commit."""
+    still whole; warn when it did not commit. Then destroy the channels' lanes
+    here, not in the destructors that run while the process exits (one of them,
+    now and then, aborted a clean exit with SIGABRT)."""
     h = _in_flight
     if h is None:
+        close_channels(release=True)
         return
     abandoned = not h._done.wait(EXIT_GRACE)
     if abandoned:
         close_channels()  # a thread blocked in a collective returns with an error now
     if h._done.wait(2.0 if abandoned else 0.0):
         h._join(5.0)
+    # destroying a lane joins its gloo threads: not while a stuck save's collective holds one
+    close_channels(release=not (h._thread is not None and h._thread.is_alive()))
     if not h.done() or h._error is not None:  # a save that committed within the grace is no news
         what = f"step {h.step} ({h.path})" if h.step is not None else h.path
         how = "was still in flight at exit" if abandoned else f"failed ({type(h._error).__name__}: {h._error})"

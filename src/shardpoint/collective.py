@@ -109,6 +109,18 @@ class _Channel:
         ends while the interpreter is whole (see :meth:`Comm._run`)."""
         self.closing = True
 
+    def release(self) -> None:
+        """Destroy both lanes now, on the caller's thread, while the interpreter is
+        whole (their gloo threads are joined here rather than in the destructors
+        that run while the process exits). Only when no thread uses them."""
+        for g in (self.data, self.ctl):
+            if g is not None:
+                try:
+                    self.dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001 - already destroyed with the default group
+                    pass
+        self.data = self.ctl = None
+
 
 @functools.cache
 def _takes_async_op(collective: Any) -> bool:
@@ -136,12 +148,17 @@ def _channel(dist: Any, tag: str, ranks: list[int]) -> _Channel:
         return ch
 
 
-def close_channels() -> None:
-    """Close every channel (see :meth:`_Channel.close`); for the exit handler."""
+def close_channels(release: bool = False) -> None:
+    """Close every channel (see :meth:`_Channel.close`) and, with ``release``,
+    destroy their lanes (:meth:`_Channel.release`); for the exit handler."""
     with _lock:
         chans = list(_channels.values())
+        if release:
+            _channels.clear()
     for ch in chans:
         ch.close()
+        if release:
+            ch.release()
 
 
 class Comm:
