@@ -1,21 +1,33 @@
 """The only module that talks to torch.distributed.
 
+* One channel per process group (:class:`_Channel`) owns everything a checkpoint
+  coordinates with: the per-call sequence, the arrival protocol on the store, and
+  two gloo groups ("lanes") made on the caller's thread at a point every rank
+  reaches. The data lane carries a save's or load's collectives and is held by one
+  operation at a time (a new operation first waits for the asynchronous save in
+  flight), so a background save's collectives never cross a foreground load's.
+  The control lane carries only the per-step preemption flag, from the caller's
+  thread, so that check never waits for a save in flight.
 * Arrival: ranks announce themselves through the process group's store with a
-  per-call sequence number and a bounded wait, never through a collective on the
-  training group, where a rank stuck in its own all-reduce would be matched
-  against ours. The decision "everyone came" or "give up" is one atomic
-  compare-and-set, so every rank, late ones included, sees the same outcome.
-* After arrival, checkpoint traffic runs on a dedicated gloo group created once
-  per process group.
+  bounded wait, never through a collective on the training group, where a rank
+  stuck in its own all-reduce would be matched against ours. A call costs each
+  rank a constant number of store operations (one counter, one reference digest,
+  one release key); absent ranks are enumerated only when the call is given up.
+  The decision "everyone came" or "give up" is one atomic ``add`` on the counter,
+  so every rank, late ones included, sees the same outcome.
 * Without torch.distributed initialised everything degrades to one rank.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -23,8 +35,8 @@ import torch
 
 from .errors import CollectiveMismatchError, ShardpointError
 
-#: Timeout of the dedicated checkpoint group's collectives (a save's data phase can
-#: take long; arrival is bounded separately by the call's ``timeout``).
+#: Timeout of the checkpoint lanes' collectives (a save's data phase can take long;
+#: arrival is bounded separately by the call's ``timeout``).
 GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("SHARDPOINT_GROUP_TIMEOUT", 1800)))
 
 #: When a collective on the checkpoint group fails (a peer died: gloo raises at
@@ -32,8 +44,15 @@ GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("SHARDPOINT_GROUP_TIMEOUT
 #: ranks that did not answer.
 PEER_GRACE = float(os.environ.get("SHARDPOINT_PEER_GRACE", 1.0))
 
-_seq: dict[str, int] = {}
-_groups: dict[str, Any] = {}
+#: Added to the arrival counter by the rank that gives a call up: any later
+#: arrival reads a count at or above it and knows the call was abandoned.
+_ABORT = 1 << 40
+
+#: Slice of a wait for a checkpoint collective (a wait returns as soon as the
+#: collective completes; the slices only bound how late a closed channel is seen).
+_POLL = timedelta(seconds=0.25)
+
+_channels: dict[str, _Channel] = {}
 _lock = threading.Lock()
 
 
@@ -43,6 +62,105 @@ def _dist():  # type: ignore[no-untyped-def]
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+class _Channel:
+    """The one owner of a process group's checkpoint coordination.
+
+    Every checkpoint collective of the group runs through it: ``seq`` numbers the
+    calls (every rank makes the same calls in the same order, which arrival
+    checks), ``data`` is the lane of save and load collectives, ``ctl`` the lane of
+    the per-step flag, ``background`` the thread of the save in flight, the only
+    other user of the data lane.
+    """
+
+    def __init__(self, dist: Any, tag: str, ranks: list[int]) -> None:
+        self.dist, self.tag, self.ranks = dist, tag, ranks
+        self.world_pg = dist.group.WORLD  # a new default group (after destroy + init) gets a new channel
+        self.seq = 0
+        self.data: Any = None
+        self.ctl: Any = None
+        self.background: threading.Thread | None = None
+        self.closing = False
+
+    def open(self) -> None:
+        """Make both lanes, on the caller's thread. Called where every rank of the
+        group is known to be: right after a successful arrival, or in the per-step
+        check that every rank makes at the same step."""
+        if self.data is not None:
+            return
+        with _lock:
+            if self.data is None:
+                make = self.dist.new_group
+                kw = dict(ranks=self.ranks, backend="gloo", timeout=GROUP_TIMEOUT, use_local_synchronization=True)
+                data = make(**kw)
+                self.ctl = make(**kw)
+                self.data = data
+
+    def settle(self) -> None:
+        """Wait for the background operation (the asynchronous save in flight) to
+        end, so the data lane is free. Its error stays with its handle."""
+        t = self.background
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self.background = None
+
+    def close(self) -> None:
+        """At interpreter exit: fail the lanes' pending and future collectives
+        within :data:`_POLL` seconds, so that a background save blocked in one
+        ends while the interpreter is whole (see :meth:`Comm._run`)."""
+        self.closing = True
+
+    def release(self) -> None:
+        """Destroy both lanes now, on the caller's thread, while the interpreter is
+        whole (their gloo threads are joined here rather than in the destructors
+        that run while the process exits). Only when no thread uses them."""
+        for g in (self.data, self.ctl):
+            if g is not None:
+                try:
+                    self.dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001 - already destroyed with the default group
+                    pass
+        self.data = self.ctl = None
+
+
+@functools.cache
+def _takes_async_op(collective: Any) -> bool:
+    try:
+        return "async_op" in inspect.signature(collective).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _Solo:
+    """Without torch.distributed: only the background save to wait for."""
+
+    background: threading.Thread | None = None
+    settle = _Channel.settle
+
+
+_solo = _Solo()
+
+
+def _channel(dist: Any, tag: str, ranks: list[int]) -> _Channel:
+    with _lock:
+        ch = _channels.get(tag)
+        if ch is None or ch.world_pg is not dist.group.WORLD:
+            ch = _channels[tag] = _Channel(dist, tag, ranks)
+        return ch
+
+
+def close_channels(release: bool = False) -> None:
+    """Close every channel (see :meth:`_Channel.close`) and, with ``release``,
+    destroy their lanes (:meth:`_Channel.release`); for the exit handler."""
+    with _lock:
+        chans = list(_channels.values())
+        if release:
+            _channels.clear()
+    for ch in chans:
+        ch.close()
+        if release:
+            ch.release()
+
+
 class Comm:
     """Rank, world size and JSON collectives of one process group."""
 
@@ -50,11 +168,13 @@ class Comm:
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         dist = _dist()
         self.dist = dist
+        self._seq = 0  # the arrival sequence number of this call (0: no arrival yet)
         if dist is None:
             if process_group is not None:
                 raise CollectiveMismatchError("a process_group was given but torch.distributed is not initialised")
             self.rank, self.world, self.ranks, self.tag = 0, 1, [0], "single"
             self.store = None
+            self.channel: _Channel | None = None
             return
         group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
@@ -64,61 +184,105 @@ class Comm:
         from torch.distributed.distributed_c10d import _get_default_store
 
         self.store = dist.PrefixStore(f"shardpoint/{self.tag}/", _get_default_store())
-        self._group: Any = None
-        self._seq = 0  # the arrival sequence number of this call (0: no arrival yet)
+        self.channel = _channel(dist, self.tag, self.ranks)
 
     # -- arrival ---------------------------------------------------------------------
     def arrive(self, op: str, path: str) -> None:
         """Block until every rank of the group called ``op`` on ``path``, or raise
         :class:`CollectiveMismatchError` naming the ranks that did not come within
-        the timeout (and raise the same on ranks that come later)."""
+        the timeout (and raise the same on ranks that come later). First waits for
+        the asynchronous save in flight on this group, whose collectives hold the
+        data lane until it ends.
+
+        Store operations per rank: a compare-and-set of the reference digest, an
+        add to the counter, an append of this rank's record, a wait for and a read
+        of the release key, an add to the exit counter; the rank that arrives last
+        also reads the mismatch counter and writes the release key, and the rank
+        that leaves last deletes the call's keys. Nothing else unless the call
+        fails."""
         if self.store is None:
+            _solo.settle()
             return
+        ch = self.channel
+        assert ch is not None
+        ch.settle()
         with _lock:
-            seq = _seq.get(self.tag, 0) + 1
-            _seq[self.tag] = seq
+            ch.seq += 1
+            seq = ch.seq
         self._seq = seq
-        store, base, world = self.store, f"{seq}", self.world
-        store.set(f"{base}/arrive/{self.rank}", json.dumps({"op": op, "path": path}))
-        state_key = f"{base}/state"
-        # atomically count ourselves in, unless the call was already given up
-        cur = b""
+        s, k, world = self.store, f"{seq}/", self.world
+        digest = hashlib.sha1(f"{op}\0{path}".encode()).hexdigest()[:16]
+        # the first rank's digest is the reference; a rank that differs says so
+        # before it counts itself in, so the count of differing ranks is final
+        # once everyone has counted in
+        if s.compare_set(k + "ref", "", digest) != digest.encode():
+            s.add(k + "bad", 1)
+        n = s.add(k + "n", 1)
+        s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
+        if n >= _ABORT:  # late: the call was given up before this rank came
+            verdict = s.get(k + "go")
+        elif n == world:  # last: release everyone
+            verdict = b"ok" if s.add(k + "bad", 0) == 0 else b"mismatch"
+            s.set(k + "go", verdict)
+        else:
+            try:
+                s.wait([k + "go"], timedelta(seconds=self.timeout))
+            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError and kin)
+                self._give_up(k)
+            verdict = s.get(k + "go")
+        try:
+            if verdict.startswith(b"aborted"):
+                self._raise_aborted(op, path, verdict)
+            if verdict == b"mismatch":
+                records = {rec["r"]: rec for rec in self._records(k, world, lambda recs: len(recs) >= world)}
+                ordered = [records[r] for r in sorted(records)]
+                detail = ", ".join(f"rank {rec['r']}: {rec['op']}({rec['path']!r})" for rec in ordered)
+                first = (ordered[0]["op"], ordered[0]["path"])
+                raise CollectiveMismatchError(
+                    f"ranks called different checkpoint operations or paths at the same point: {detail}; "
+                    "every rank of the group must call the same shardpoint function with the same path",
+                    ranks=[rec["r"] for rec in ordered if (rec["op"], rec["path"]) != first],
+                )
+        finally:
+            self._leave(k)
+        ch.open()
+
+    def _give_up(self, k: str) -> None:
+        """The timeout passed: abandon the call unless the last rank just came. The
+        first rank to give up names the ranks not counted in and writes the verdict."""
+        s, world = self.store, self.world
+        assert s is not None
+        v = s.add(k + "n", _ABORT)
+        came = v % _ABORT
+        if v // _ABORT != 1 or came >= world:
+            return  # someone gave up first, or everyone came: the verdict is (being) written
+        # each counted rank appends its record right after counting itself in
+        recs = self._records(k, came, lambda rs: sum(1 for r in rs if r["n"] < _ABORT) >= came)
+        counted = {r["r"] for r in recs if r["n"] < _ABORT}
+        absent = [r for r in range(world) if r not in counted]
+        s.set(k + "go", "aborted:" + json.dumps(absent))
+
+    def _records(self, k: str, want: int, enough: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+        """The ranks' arrival records (failure paths only), once ``enough`` of them
+        are in (each rank appends its own right after counting itself in)."""
+        assert self.store is not None
+        deadline = time.monotonic() + max(5.0, min(self.timeout, 60.0))
         while True:
-            if cur.startswith(b"aborted"):
-                self._raise_aborted(op, path, cur)
-            n = int(cur.decode().split(":")[1]) if cur else 0
-            # the value names who wrote it: compare_set answers with the current value
-            # both on success and on a lost race, so only a unique value tells them apart
-            new = f"open:{n + 1}:{self.rank}".encode()
-            got = store.compare_set(state_key, cur.decode() if cur else "", new.decode())
-            if got == new:
-                break
-            cur = got
-        deadline = time.monotonic() + self.timeout
-        pause = 0.002
-        while True:
-            cur = store.get(state_key)
-            if cur.startswith(f"open:{world}:".encode()):
-                break
-            if cur.startswith(b"aborted"):
-                self._raise_aborted(op, path, cur)
-            if time.monotonic() >= deadline:
-                absent = [r for r in range(world) if not store.check([f"{base}/arrive/{r}"])]
-                verdict = ("aborted:" + json.dumps(absent)).encode()
-                got = store.compare_set(state_key, cur.decode(), verdict.decode())
-                if got == verdict:
-                    self._raise_aborted(op, path, verdict)
-                continue  # the state moved (someone arrived or gave up): look again
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        records = [json.loads(v) for v in store.multi_get([f"{base}/arrive/{r}" for r in range(world)])]
-        if any(r != records[0] for r in records):
-            detail = ", ".join(f"rank {r}: {rec['op']}({rec['path']!r})" for r, rec in enumerate(records))
-            raise CollectiveMismatchError(
-                f"ranks called different checkpoint operations or paths at the same point: {detail}; "
-                "every rank of the group must call the same shardpoint function with the same path",
-                ranks=[r for r, rec in enumerate(records) if rec != records[0]],
-            )
+            raw = self.store.get(k + "who").decode() if self.store.check([k + "who"]) else ""
+            recs = [json.loads(line) for line in raw.splitlines() if line]
+            if enough(recs) or time.monotonic() >= deadline:
+                return recs
+            time.sleep(0.01)
+
+    def _leave(self, k: str) -> None:
+        """Count this rank out; the last rank out deletes the call's keys. A call
+        that was given up keeps them until the absent ranks come, so that they
+        still read the verdict (ranks that never come leave its six keys behind)."""
+        s = self.store
+        assert s is not None
+        if s.add(k + "out", 1) == self.world:
+            for name in ("ref", "bad", "n", "who", "go", "out"):
+                s.delete_key(k + name)
 
     def _raise_aborted(self, op: str, path: str, verdict: bytes) -> None:
         absent = json.loads(verdict.decode().split(":", 1)[1])
@@ -129,19 +293,21 @@ class Comm:
             ranks=absent,
         )
 
-    # -- the dedicated group -------------------------------------------------------
+    # -- the lanes -------------------------------------------------------------------
     def group(self) -> Any:
-        """The checkpoint group (gloo), created once per process group, after arrival."""
-        if self._group is None:
-            with _lock:
-                g = _groups.get(self.tag)
-                if g is None:
-                    g = self.dist.new_group(
-                        ranks=self.ranks, backend="gloo", timeout=GROUP_TIMEOUT, use_local_synchronization=True
-                    )
-                    _groups[self.tag] = g
-            self._group = g
-        return self._group
+        """The data lane (gloo) of this process group's channel. Made on first use
+        if no arrival made it yet: call it only where every rank is."""
+        assert self.channel is not None
+        self.channel.open()
+        return self.channel.data
+
+    def start_background(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Run ``target`` in a thread that holds the data lane until it ends: the
+        next arrival on this group waits for it."""
+        t = threading.Thread(target=target, name=name, daemon=True)
+        (self.channel or _solo).background = t
+        t.start()
+        return t
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), in rank order."""
@@ -159,21 +325,60 @@ class Comm:
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
-        """Element-wise OR of a uint8 vector over the ranks."""
+        """Element-wise OR of a uint8 vector over the ranks (data lane)."""
         if self.store is None:
             return flags
         out = flags.clone()
         self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX)
         return out
 
-    def _run(self, collective: Any, *args: Any, **kwargs: Any) -> None:
-        """One collective on the checkpoint group. When it fails (gloo raises as soon
-        as a peer's connection closes), raise :class:`CollectiveMismatchError` naming
-        the ranks that are gone instead of gloo's own error, so that
-        ``except ShardpointError`` in a training loop sees it."""
+    def flag_any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank, on the control lane: never waits for
+        a save in flight. Call it on the caller's thread, on every rank at the same
+        point (the per-step preemption check)."""
+        if self.store is None:
+            return flag
+        out = torch.tensor([1 if flag else 0], dtype=torch.uint8)
+        assert self.channel is not None
+        self.channel.open()
+        self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX, lane="ctl")
+        return bool(out[0])
+
+    def _run(self, collective: Any, *args: Any, lane: str = "data", **kwargs: Any) -> None:
+        """One collective on a lane of the channel (every checkpoint collective goes
+        through here). When it fails (gloo raises as soon as a peer's connection
+        closes), raise :class:`CollectiveMismatchError` naming the ranks that are
+        gone instead of gloo's own error, so that ``except ShardpointError`` in a
+        training loop sees it."""
+        ch = self.channel
+        assert ch is not None
+        group = self.group() if lane == "data" else ch.ctl
+        closed = "the process is exiting: shardpoint's checkpoint collectives are closed"
+        if ch.closing:
+            raise ShardpointError(closed)
         try:
-            collective(*args, group=self.group(), **kwargs)
+            if not _takes_async_op(collective):
+                collective(*args, group=group, **kwargs)
+                return
+            # wait in short slices: a thread blocked in gloo must get back to Python
+            # while the interpreter is whole, or it is killed inside torch's C++ code
+            # when it finalises (SIGABRT); the exit handler closes the channel
+            work = collective(*args, group=group, async_op=True, **kwargs)
+            while True:
+                try:
+                    work.wait(timeout=_POLL)
+                    return
+                except Exception:  # noqa: BLE001 - "Operation timed out!" or the collective's own error
+                    if work.is_completed():
+                        work.wait()  # raises the collective's own error, if that is what it was
+                        return
+                    if ch.closing:
+                        raise ShardpointError(closed) from None
+        except ShardpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
+            if ch.closing:
+                raise ShardpointError(closed) from e
             raise self._peer_failure(e) from e
 
     def _peer_failure(self, cause: BaseException) -> CollectiveMismatchError:

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import torch
-
 from . import _save
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
 from .errors import CorruptCheckpointError
@@ -244,7 +242,8 @@ class CheckpointManager:
         """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
         Collective. Returns None, touching nothing, when there is no checkpoint (and
         raises :class:`CheckpointNotFoundError` when an explicit ``step`` is absent).
-        The report's ``step`` says which step was loaded.
+        The report's ``step`` says which step was loaded. Waits for an asynchronous
+        save in flight first, so that it is found (its error stays for :meth:`wait`).
 
         Args:
             fallback: when ``latest`` or the manifest of the checkpoint to resume from
@@ -256,6 +255,9 @@ class CheckpointManager:
                 the checkpoint to resume from (or of ``step``) is damaged; the message
                 names the file. Also everything :func:`shardpoint.load` raises.
         """
+        from .asyncsave import settle_in_flight
+
+        settle_in_flight()
         if step is None:
             try:
                 info = self._resume_point()
@@ -308,14 +310,12 @@ class CheckpointManager:
     def save_if_preempted(self, state: Any, step: int) -> bool:
         """Collective; call it once per step on every rank. If any rank was told to
         stop, every rank saves ``step`` and this returns True (then exit); otherwise
-        returns False. One small all-reduce on the checkpoint group per call."""
+        returns False. One small all-reduce per call, on a lane of its own: it does
+        not wait for an asynchronous save in flight (the save it starts does)."""
         from .collective import Comm
 
-        comm = Comm(self.process_group, self.timeout)
-        flag = torch.tensor([1 if self._preempt.is_set() else 0], dtype=torch.uint8)
-        if comm.world > 1:
-            comm.group()  # every rank calls this at the same step, so the group can be made here
-        if not int(comm.any_true(flag)[0]):
+        # the channel's control lane: never waits for a save in flight
+        if not Comm(self.process_group, self.timeout).flag_any(self._preempt.is_set()):
             return False
         self.save(state, step)
         return True

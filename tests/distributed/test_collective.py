@@ -53,7 +53,13 @@ def absent_case(rank: int, world: int, callers: list[int], tmp: str) -> dict:
     failed_after = time.monotonic() - t0
     leftovers = os.listdir(path) if os.path.isdir(path) else []
     check_next_save_works(rank, f"{tmp}/next")
-    return {"ranks": ei.value.ranks, "msg": str(ei.value), "failed_after": failed_after, "leftovers": leftovers}
+    # every rank has left the abandoned call (the late ones too), so its keys are gone
+    from shardpoint.collective import Comm
+
+    store = Comm().store
+    left = [k for k in ("ref", "bad", "n", "who", "go", "out") if store.check([f"1/{k}"])]
+    return {"ranks": ei.value.ranks, "msg": str(ei.value), "failed_after": failed_after, "leftovers": leftovers,
+            "store_keys_left": left}
 
 
 def _check_absent(results: list[dict], absent: list[int]) -> None:
@@ -64,6 +70,7 @@ def _check_absent(results: list[dict], absent: list[int]) -> None:
         # a late rank sees the verdict at once; it does not sit out its own (long) timeout
         assert res["failed_after"] < LONG, f"rank {r} waited its whole timeout"
         assert "manifest.json" not in res["leftovers"]
+        assert res["store_keys_left"] == [], res["store_keys_left"]
 
 
 def test_only_rank_0_calls_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
