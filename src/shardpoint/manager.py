@@ -13,8 +13,8 @@ import torch
 
 from . import _save
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
-from .errors import CorruptCheckpointError, ShardpointError
-from .format.manifest import MANIFEST_NAME, Manifest
+from .errors import ShardpointError
+from .format.manifest import MANIFEST_NAME, read_manifest
 from .report import LoadReport
 from .storage import Storage, storage_for
 
@@ -85,10 +85,8 @@ class CheckpointManager:
             return None
         sub = self.storage.child(name)
         try:
-            if not sub.exists(MANIFEST_NAME):
-                return None
-            man = Manifest.parse(bytes(sub.read(MANIFEST_NAME)), where=f"{sub.url}/{MANIFEST_NAME}")
-        except CorruptCheckpointError:
+            man = read_manifest(sub)
+        except ShardpointError:
             return None
         return CheckpointInfo(
             step=int(m.group(1)), path=sub.url, time=datetime.fromtimestamp(man.created, tz=timezone.utc),
@@ -132,9 +130,9 @@ class CheckpointManager:
         name = self.step_dir(step)
         target = self.storage.child(name)
 
-        def after_commit() -> None:
+        def after_commit() -> Any:
             self.storage.write_atomic(LATEST, name.encode())
-            self._retain(newest=step)
+            return lambda: self._retain(newest=step)  # after every rank returned from the commit
 
         token = _save.after_commit_hook.set(after_commit)
         try:
