@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from ._load import IO_THREADS, Reader, _validate_saved, saved_chunks
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.datafile import crc32, itemsize_of
