@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._coordinator import Coordinator, layout_digest, layout_of, values_of
+from ._coordinator import Coordinator, layout_digest, layout_of, make_plan, values_of  # noqa: F401 - make_plan: plan_bench
 from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
