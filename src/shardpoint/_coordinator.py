@@ -45,9 +45,28 @@ def values_of(meta: dict[str, Any]) -> dict[str, Any]:
     return {"values": meta["values"], "per_rank": {p: d["values"] for p, d in meta["per_rank"].items()}}
 
 
-def layout_digest(layout: dict[str, Any]) -> str:
-    """A digest that is equal exactly when two layouts are."""
+def layout_digest(layout: Any) -> str:
+    """A digest that is equal exactly when two layouts (or structures) are."""
     return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
+
+
+def layout_message(layout: dict[str, Any], reference: str | None) -> tuple[str, dict[str, Any]]:
+    """Split a rank's layout into its structure (containers, tensor dtypes and global
+    shapes, the order of its chunk keys, per-rank values: the same on most ranks) and
+    its boxes (where its chunks lie: its own). Returns the layout's digest and the
+    message that carries it, which leaves the structure out when its digest equals
+    ``reference`` (rank 0's, which the coordinator holds)."""
+    structure = {"containers": layout["containers"], "tensors": layout["tensors"], "keys": layout["chunks"]["key"],
+                 "per_rank": layout["per_rank"]}
+    boxes = {"off": layout["chunks"]["off"], "size": layout["chunks"]["size"]}
+    sd = layout_digest(structure)
+    digest = layout_digest({"structure": sd, "boxes": boxes})
+    return digest, {"s": None if sd == reference else structure, "sd": sd, "b": boxes}
+
+
+def _full_layout(structure: dict[str, Any], boxes: dict[str, Any]) -> dict[str, Any]:
+    return {"containers": structure["containers"], "tensors": structure["tensors"], "per_rank": structure["per_rank"],
+            "chunks": {"key": structure["keys"], "off": boxes["off"], "size": boxes["size"]}}
 
 
 @dataclass(slots=True)
@@ -82,7 +101,7 @@ def merge_structure(layouts_: list[dict[str, Any]]) -> tuple[dict[str, dict[str,
                         f"key {k!r} is a {containers[k]} on some ranks and a {t} on rank {r}; the state's structure "
                         "must agree between ranks")
         tensors = m["tensors"]
-        if any(tensors == d for d in seen[-2:]):  # the common case: the same as a rank before
+        if any(tensors is d or tensors == d for d in seen[-2:]):  # the common case: the same as a rank before
             continue
         seen.append(tensors)
         for k, t in tensors.items():
@@ -111,7 +130,7 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
     cur = np.zeros(0, dtype=np.int64)
     for m in layouts_:
         ks = m["chunks"]["key"]
-        if ks != prev_keys:
+        if ks is not prev_keys and ks != prev_keys:
             cur = np.fromiter((kid[k] for k in ks), dtype=np.int64, count=len(ks))
             prev_keys = ks
         ids.append(cur)
@@ -279,6 +298,7 @@ class _Cached:
     combined: str
     digests: list[str]
     layouts: list[dict[str, Any]]
+    structures: dict[str, dict[str, Any]]
     plan: Plan
 
 
@@ -299,6 +319,7 @@ class Coordinator:
     layouts: list[dict[str, Any] | None] = field(default_factory=list)
     digests: list[str | None] = field(default_factory=list)
     values: list[dict[str, Any]] = field(default_factory=list)
+    structures: dict[str, dict[str, Any]] = field(default_factory=dict)  # structure digest -> structure
     plan: Plan | None = None
     save_id: str = ""
     reused: bool = False  # whether the plan came from the cache
@@ -308,22 +329,31 @@ class Coordinator:
         self.digests = [None] * self.world
 
     def plan_round(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Take the ranks' messages (``digest``, ``layout`` or None, ``plan``: the plan
-        id the rank holds an assignment of, ``values``); answer each rank with its
-        assignment, or with ``resend`` when some layouts are not known here."""
+        """Take the ranks' messages (``digest``; ``layout``: None or a
+        :func:`layout_message`; ``plan``: the id of the plan the rank holds an
+        assignment of; ``values``) and answer each rank with its assignment (None
+        when it holds it already), or with ``resend`` when some layouts or
+        structures are not known here (then every rank sends its whole layout)."""
         cached = _cache.get(self.tag)
         if cached is not None and len(cached.digests) != self.world:
             cached = None
+        if cached is not None:
+            self.structures.update(cached.structures)
+        for m in msgs:
+            lay = m.get("layout")
+            if lay is not None and lay["s"] is not None:
+                self.structures[lay["sd"]] = lay["s"]
         missing = []
         for r, m in enumerate(msgs):
             if "values" in m:
                 if len(self.values) < self.world:
                     self.values.append(m["values"])
                 self.digests[r] = m["digest"]
-            if m.get("layout") is not None:
-                self.layouts[r] = m["layout"]
+            lay = m.get("layout")
+            if lay is not None and lay["sd"] in self.structures:
+                self.layouts[r] = _full_layout(self.structures[lay["sd"]], lay["b"])
             elif self.layouts[r] is None:
-                if cached is not None and cached.digests[r] == self.digests[r]:
+                if lay is None and cached is not None and cached.digests[r] == self.digests[r]:
                     self.layouts[r] = cached.layouts[r]
                 else:
                     missing.append(r)
@@ -336,7 +366,7 @@ class Coordinator:
             self.plan, self.reused = cached.plan, True
         else:
             self.plan = make_plan(self.layouts)  # type: ignore[arg-type]
-            _cache[self.tag] = _Cached(combined, digests, self.layouts, self.plan)  # type: ignore[arg-type]
+            _cache[self.tag] = _Cached(combined, digests, self.layouts, self.structures, self.plan)  # type: ignore[arg-type]
         merge_values(self.plan, self.values)  # disagreeing values fail before anything is written
         self.save_id = uuid.uuid4().hex[:12]
         return [{"save_id": self.save_id, "plan_id": combined,

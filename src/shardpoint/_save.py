@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._coordinator import Coordinator, layout_digest, layout_of, make_plan, values_of  # noqa: F401 - make_plan: plan_bench
+from ._coordinator import Coordinator, layout_message, layout_of, make_plan, values_of  # noqa: F401 - make_plan: plan_bench
 from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
@@ -153,15 +153,17 @@ def _plan_phase(comm: Comm, storage: Storage, local: _Local | None, error: BaseE
     """Phase 1: send rank 0 this rank's layout digest and values (the layout itself
     only when it changed since this rank's last save), get back this rank's assignment
     (none when the cached plan still holds it) and the save id."""
-    msg = layout = None
-    digest_ = ""
-    if local is not None:
-        layout = layout_of(local.meta)
-        digest_ = layout_digest(layout)
+    layout = layout_of(local.meta) if local is not None else None
+    digest_, whole = layout_message(layout, None) if layout is not None else ("", None)
+    # rank 0's structure digest: a rank whose structure is the same (the usual case) leaves its own out
+    reference = comm.broadcast_json(whole["sd"] if whole is not None and comm.rank == 0 else None)
+    msg = None
+    if whole is not None:
+        lay = dict(whole, s=None) if comm.rank != 0 and whole["sd"] == reference else whole
         held = _assignments.get(comm.tag)
         same = held is not None and held[0] == digest_
-        msg = {"digest": digest_, "plan": held[1] if same else None, "layout": None if same else layout,
-               "values": values_of(local.meta)}
+        msg = {"digest": digest_, "plan": held[1] if same else None, "layout": None if same else lay,
+               "values": values_of(local.meta)}  # type: ignore[union-attr]
 
     def decide(msgs: list[Any]) -> list[Any]:
         assert coord is not None
@@ -175,7 +177,7 @@ def _plan_phase(comm: Comm, storage: Storage, local: _Local | None, error: BaseE
 
     reply = coordinate(comm, msg, error, decide)
     if "resend" in reply:  # rank 0 does not know some layouts (its cache was dropped): those ranks send them
-        reply = coordinate(comm, {"layout": layout if reply["resend"] else None}, None,
+        reply = coordinate(comm, {"layout": whole if reply["resend"] else None}, None,
                            lambda msgs: coord.plan_round(msgs))  # type: ignore[union-attr]
     assign = reply["assign"]
     if assign is None:
