@@ -549,9 +549,9 @@ def test_corrupt_byte_is_caught_naming_file_and_key(tmp_path: Path) -> None:
     p = tmp_path / "ckpt"
     shardpoint.save({"a": torch.arange(100, dtype=torch.float32), "b": torch.ones(10)}, p)
     (f,) = data_files(p)
-    e = json.loads((p / "manifest.json").read_text())["entries"]["a"]["chunks"][0]
+    offset = json.loads((p / (f.removesuffix(".safetensors") + ".index.json")).read_text())["chunks"]["a@0"][0]
     raw = bytearray((p / f).read_bytes())
-    raw[e["offset"] + 17] ^= 0x01
+    raw[offset + 17] ^= 0x01
     (p / f).write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch in {f}.*'a'"):
         shardpoint.load({"a": torch.zeros(100), "b": torch.zeros(10)}, p)

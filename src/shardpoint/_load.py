@@ -21,7 +21,7 @@ from .layout import chunks_of
 from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
 from .report import LoadReport
 from .storage import Storage
-from .tree import Node, PerRank, Walk, decode_key, join, matches_prefix
+from .tree import Node, PerRank, Walk, decode_key, encode_key, join, matches_prefix
 
 #: Threads that read and verify chunks in parallel.
 IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))
@@ -103,27 +103,7 @@ class Reader:
                 if box_runs(op.region, sbox)[3] == 1:  # one contiguous byte range on both sides
                     return self._read_range_into(t.key, chunk, op.first * itemsize, op.last * itemsize, dst)
             lo, hi = op.first * itemsize, op.last * itemsize
-            if self.verify:
-                blk = self.crc_block
-                lo, hi = (lo // blk) * blk, min(-(-hi // blk) * blk, chunk["length"])
-            try:
-                data = self.storage.read(chunk["file"], chunk["offset"] + lo, hi - lo)
-            except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
-                raise CorruptCheckpointError(f"key {t.key!r}: {e}") from None
-            if not isinstance(data, bytearray):
-                data = bytearray(data)
-            if len(data) != hi - lo:
-                raise CorruptCheckpointError(f"key {t.key!r}: short read from {chunk['file']}; the file is truncated")
-            if self.verify:
-                blk = self.crc_block
-                mv = memoryview(data)
-                for j, i in enumerate(range(0, max(len(data), 1), blk)):
-                    want = chunk["crc32"][lo // blk + j]
-                    if crc32(mv[i : i + blk]) != want:
-                        raise CorruptCheckpointError(
-                            f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + lo + i}..{chunk['offset'] + lo + i + len(mv[i : i + blk])}) "
-                            f"for key {t.key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
-                        )
+            data, lo = self._read_staged(t.key, chunk, lo, hi)
             if op.region.numel == 0:
                 return len(data)
             src = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if len(data) else torch.empty(0, dtype=dtype)
@@ -162,35 +142,65 @@ class Reader:
         return {"offsets": off, "sizes": size, "file": fname, "offset": loc.offset, "length": loc.length,
                 "crc32": loc.crc32}
 
+    def _read_staged(self, key: str, chunk: dict[str, Any], lo: int, hi: int) -> tuple[bytearray, int]:
+        """Bytes ``[lo, hi)`` of a saved chunk (rounded out to whole checksum blocks
+        when verifying) in a new buffer, verified; returns it and where it starts."""
+        a, b = self._span(chunk, lo, hi)
+        data = self._read(key, chunk, a, b - a)
+        if self.verify:
+            self._check(key, chunk, a, b, a, b, b"", memoryview(data), b"")
+        return data, a
+
     def _read_range_into(self, key: str, chunk: dict[str, Any], lo: int, hi: int, dst: torch.Tensor) -> int:
         """Bytes ``[lo, hi)`` of a saved chunk straight into a contiguous CPU target of
         the same dtype, with no staging copy. To verify, the partial CRC blocks at the
         two ends are completed with small reads of their outer bytes (CRC-32 chains);
         returns the bytes read."""
         view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        base = chunk["offset"]
         try:
-            self.storage.read_into(chunk["file"], base + lo, view)
-            if not self.verify:
-                return len(view)
-            blk, length = self.crc_block, chunk["length"]
-            a, b = (lo // blk) * blk, min(-(-hi // blk) * blk, length)
-            head = self.storage.read(chunk["file"], base + a, lo - a) if lo > a else b""
-            tail = self.storage.read(chunk["file"], base + hi, b - hi) if b > hi else b""
+            self.storage.read_into(chunk["file"], chunk["offset"] + lo, view)
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
             raise CorruptCheckpointError(f"key {key!r}: {e}") from None
-        for j in range(a // blk, -(-b // blk)):
+        if not self.verify:
+            return len(view)
+        a, b = self._span(chunk, lo, hi)
+        head = self._read(key, chunk, a, lo - a) if lo > a else b""
+        tail = self._read(key, chunk, hi, b - hi) if b > hi else b""
+        self._check(key, chunk, a, b, lo, hi, head, view, tail)
+        return len(view) + len(head) + len(tail)
+
+    def _span(self, chunk: dict[str, Any], lo: int, hi: int) -> tuple[int, int]:
+        """``[lo, hi)`` rounded out to whole checksum blocks (when verifying)."""
+        if not self.verify:
+            return lo, hi
+        blk = self.crc_block
+        return (lo // blk) * blk, min(-(-hi // blk) * blk, chunk["length"])
+
+    def _read(self, key: str, chunk: dict[str, Any], at: int, n: int) -> bytearray:
+        try:
+            data = self.storage.read(chunk["file"], chunk["offset"] + at, n)
+        except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
+            raise CorruptCheckpointError(f"key {key!r}: {e}") from None
+        if len(data) != n:
+            raise CorruptCheckpointError(f"key {key!r}: short read from {chunk['file']}; the file is truncated")
+        return data if isinstance(data, bytearray) else bytearray(data)
+
+    def _check(self, key: str, chunk: dict[str, Any], a: int, b: int, lo: int, hi: int,
+               head: Any, mid: Any, tail: Any) -> None:
+        """Check blocks ``[a, b)`` of a chunk whose bytes are ``head`` (``[a, lo)``),
+        ``mid`` (``[lo, hi)``) and ``tail`` (``[hi, b)``), chaining CRC-32 across them."""
+        blk, length = self.crc_block, chunk["length"]
+        for j in range(a // blk, max(-(-b // blk), a // blk + 1)):
             s, e = j * blk, min((j + 1) * blk, length)
             crc = crc32(head[s - a :]) if s < lo else 0
-            crc = crc32(view[max(s, lo) - lo : min(e, hi) - lo], crc)
+            crc = crc32(mid[max(s, lo) - lo : max(min(e, hi) - lo, 0)], crc)
             if e > hi:
-                crc = crc32(tail[: e - hi], crc)
+                crc = crc32(tail[max(s, hi) - hi : e - hi], crc)
             if crc != chunk["crc32"][j]:
                 raise CorruptCheckpointError(
-                    f"checksum mismatch in {chunk['file']} (bytes {base + s}..{base + e}) for key {key!r}: the file is "
-                    "damaged. Restore it from a copy, or load another checkpoint"
+                    f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + s}..{chunk['offset'] + e}) for key "
+                    f"{key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
                 )
-        return len(view) + len(head) + len(tail)
 
 
 def read_index(storage: Storage, manifest: Manifest, fname: str) -> dict[str, Located]:
@@ -343,7 +353,7 @@ class TreeLoad:
         """The deepest local container above ``key``, unless a local leaf is in the way."""
         path = decode_key(key)
         for n in range(len(path) - 1, -1, -1):
-            k = "" if n == 0 else _enc_path(path[:n])
+            k = "" if n == 0 else encode_key(path[:n])
             if k in self.walk.leaves or k in self.walk.per_rank:
                 return None
             if k in self.walk.containers:
@@ -402,13 +412,6 @@ class TreeLoad:
         if k == "tensor":
             return node.obj
         return self.values.get(key, node.obj)
-
-
-def _enc_path(path: tuple[Any, ...]) -> str:
-    out = ""
-    for s in path:
-        out = join(out, s)
-    return out
 
 
 def hollow_containers(tree: Tree, select: Callable[[str], bool] | None = None) -> dict[str, list[tuple[Any, str]]]:
