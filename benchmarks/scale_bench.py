@@ -209,7 +209,7 @@ def simulate(world: int, n: int) -> dict[str, Any]:
         a, b = int(plan.row_start[r]), int(plan.row_start[r + 1])
         check = np.nonzero(plan.check[a:b])[0]
         statuses.append({"file": f"r{r:05d}-{coord.save_id}.safetensors", "size": 1 << 30,
-                         "replica_crcs": [[int(i), [int(plan.group[a + i]) & 0xFFFFFFFF]] for i in check],
+                         "replicas": [check.tolist(), [int(plan.group[a + i]) for i in check]],
                          "index": {"name": f"r{r:05d}-{coord.save_id}.index.json", "size": 1000, "sha256": "0" * 64}})
     out["coord_recv_status"] = sum(len(json.dumps(s, separators=(",", ":"))) for s in statuses)
     t0 = time.perf_counter()

@@ -596,3 +596,20 @@ def test_per_rank_keys_are_checked_like_any_other(tmp_path: Path) -> None:
     assert report.missing == ["rng2"] and target["rng"].value == {"seed": 3} and report.per_rank == {"rng": "restored"}
     report = shardpoint.load(target, tmp_path / "ckpt", exclude=["rng"], strict=False)
     assert report.skipped == ["rng"] and report.per_rank == {}
+
+
+def test_save_offline_compares_replicas_and_names_the_key(tmp_path: Path) -> None:
+    """Replicated bytes that differ between two offline "ranks" are refused, naming the
+    key and the ranks; nothing is committed and no data file is left."""
+    from shardpoint.api import save_offline
+
+    def ranks(differ: bool):  # type: ignore[no-untyped-def]
+        for r in range(2):
+            yield r, {"shared": torch.ones(3) + (r if differ else 0), "mine": shardpoint.PerRank(torch.full((2,), float(r)))}
+
+    with pytest.raises(ShardpointError, match=r"key 'shared' is replicated but its bytes differ between ranks \(ranks \[0\]; ranks \[1\]"):
+        save_offline(ranks(True), tmp_path / "bad", world_size=2)
+    assert not (tmp_path / "bad" / "manifest.json").exists() and not list((tmp_path / "bad").glob("r*"))
+    save_offline(ranks(False), tmp_path / "good", world_size=2)
+    full = shardpoint.load_full(tmp_path / "good")
+    assert torch.equal(full["shared"], torch.ones(3)) and torch.equal(full["mine"][1], torch.ones(2))

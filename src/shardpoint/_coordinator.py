@@ -214,23 +214,44 @@ def assignment(plan: Plan, rank: int) -> dict[str, Any]:
     return {"write": _ranges(plan.writer[a:b]), "check": _ranges(plan.check[a:b])}
 
 
+def replica_digest(crcs: list[int]) -> int:
+    """One 63-bit number for a chunk's block checksums: equal replicas give equal
+    numbers (what a rank reports for each replica row it checks)."""
+    data = b"".join(int(c).to_bytes(4, "little") for c in crcs)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
 def check_replicas(plan: Plan, statuses: list[dict[str, Any]]) -> None:
-    """Raise naming key and ranks when replicated bytes differ between ranks."""
-    seen: dict[int, dict[str, list[int]]] = {}
+    """Raise naming key and ranks when replicated bytes differ between ranks.
+    Each status lists ``replicas``: ``[rows, digests]`` (rows in the rank's own
+    order, :func:`replica_digest` of each); compared group by group in arrays."""
+    groups, digests, ranks = [], [], []
     for r, st in enumerate(statuses):
-        start = int(plan.row_start[r])
-        for i, crcs in st["replica_crcs"]:
-            seen.setdefault(int(plan.group[start + i]), {}).setdefault(repr(crcs), []).append(r)
-    for g, by in sorted(seen.items()):
-        if len(by) > 1:
-            row = int(np.nonzero(plan.group == g)[0][0])
-            key = plan.keys[int(plan.table.key[row])]
-            groups = "; ".join(f"ranks {v}" for v in sorted(by.values()))
-            raise ShardpointError(
-                f"key {key!r} is replicated but its bytes differ between ranks ({groups} hold different data). "
-                "Replicas that disagree mean the training state has diverged; if the value is meant to differ "
-                "per rank, wrap it in shardpoint.PerRank(...)"
-            )
+        rows, ds = st["replicas"]
+        if rows:
+            groups.append(plan.group[int(plan.row_start[r]) + np.asarray(rows, dtype=np.int64)])
+            digests.append(np.asarray(ds, dtype=np.int64))
+            ranks.append(np.full(len(rows), r, dtype=np.int64))
+    if not groups:
+        return
+    g_all, d_all, rk = np.concatenate(groups), np.concatenate(digests), np.concatenate(ranks)
+    order = np.lexsort((d_all, g_all))
+    g, d = g_all[order], d_all[order]
+    bad = np.nonzero((g[1:] == g[:-1]) & (d[1:] != d[:-1]))[0]
+    if not bad.size:
+        return
+    first = g[bad[0]]
+    by: dict[int, list[int]] = {}
+    for i in np.nonzero(g_all == first)[0]:
+        by.setdefault(int(d_all[i]), []).append(int(rk[i]))
+    row = int(np.nonzero(plan.group == first)[0][0])
+    key = plan.keys[int(plan.table.key[row])]
+    holders = "; ".join(f"ranks {sorted(v)}" for v in sorted(by.values()))
+    raise ShardpointError(
+        f"key {key!r} is replicated but its bytes differ between ranks ({holders} hold different data). "
+        "Replicas that disagree mean the training state has diverged; if the value is meant to differ "
+        "per rank, wrap it in shardpoint.PerRank(...)"
+    )
 
 
 def _tree(containers: dict[str, str], values: dict[str, Any], info: dict[str, dict[str, Any]],

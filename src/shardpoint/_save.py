@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._coordinator import Coordinator, layout_message, layout_of, make_plan, values_of  # noqa: F401 - make_plan: plan_bench
+from ._coordinator import Coordinator, layout_message, layout_of, make_plan, replica_digest, values_of  # noqa: F401 - make_plan: plan_bench
 from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
@@ -126,21 +126,25 @@ def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, An
             mine.append(i)
             to_write.append((chunk_name(rows["key"][i], rows["off"][i]), v))
         else:
-            replica_crcs.append([i, block_crcs(tensor_bytes(v))])
+            replica_crcs.append([i, replica_digest(block_crcs(tensor_bytes(v)))])
     for pkey, views in local.per_rank_views.items():
         prow = local.meta["per_rank"][pkey]["chunks"]
         for i, v in enumerate(views):
             if v.numel():
                 to_write.append((chunk_name(prow["key"][i], prow["off"][i], per_rank=True), _cpu(v)))
     if not to_write:
-        return {"file": None, "replica_crcs": replica_crcs}
+        return {"file": None, "replicas": _replicas(replica_crcs)}
     written = write_data_file(storage, fname, to_write)
-    replica_crcs += [[i, w.crc32] for i, w in zip(mine, written) if check[i]]
+    replica_crcs += [[i, replica_digest(w.crc32)] for i, w in zip(mine, written) if check[i]]
     idx = index_bytes(fname, [(name, w) for (name, _), w in zip(to_write, written)])
     iname = index_name(fname)
     storage.write_file(iname, [idx])
-    return {"file": fname, "size": storage.size(fname), "replica_crcs": replica_crcs,
+    return {"file": fname, "size": storage.size(fname), "replicas": _replicas(replica_crcs),
             "index": {"name": iname, "size": len(idx), "sha256": digest(idx)}}
+
+
+def _replicas(pairs: list[list[Any]]) -> list[list[int]]:
+    return [[i for i, _ in pairs], [d for _, d in pairs]]
 
 
 #: Per process group (the Comm's tag): the layout digest this rank last saved, the id
