@@ -185,10 +185,12 @@ def simulate(world: int, n: int) -> dict[str, Any]:
     metas = sp_metas(lay, world)
     del lay
     wire = []
-    for m in metas:
-        layout = co.layout_of(m)
-        wire.append(json.dumps({"digest": co.layout_digest(layout), "plan": None, "layout": layout,
-                                "values": co.values_of(m)}, separators=(",", ":")).encode())
+    ref = None
+    for m in metas:  # as _save._plan_phase sends them: rank 0's structure, the others' boxes
+        digest, lay = co.layout_message(co.layout_of(m), ref)
+        ref = ref or lay["sd"]
+        wire.append(json.dumps({"digest": digest, "plan": None, "layout": lay, "values": co.values_of(m)},
+                               separators=(",", ":")).encode())
     del metas
     gc.collect()
     out: dict[str, Any] = {"world": world, "tensors": n, "coord_recv_plan": sum(len(b) for b in wire)}
