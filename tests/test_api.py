@@ -613,3 +613,27 @@ def test_save_offline_compares_replicas_and_names_the_key(tmp_path: Path) -> Non
     save_offline(ranks(False), tmp_path / "good", world_size=2)
     full = shardpoint.load_full(tmp_path / "good")
     assert torch.equal(full["shared"], torch.ones(3)) and torch.equal(full["mine"][1], torch.ones(2))
+
+
+def test_a_load_reads_only_the_indexes_of_the_files_it_needs(tmp_path: Path) -> None:
+    """Each data file's CRC index is read only by a load that needs that file's
+    chunks: with rank 1's index gone, keys held in rank 0's file still load, and a key
+    with chunks in rank 1's file names the missing index."""
+    from shardpoint.api import save_offline
+    from shardpoint.layout import FlatShard
+
+    full = torch.arange(8.0)
+    states = ((r, {"only0": torch.ones(2) if r == 0 else None, "split": FlatShard(full[4 * r : 4 * r + 4].clone(), (8,), 4 * r)})
+              for r in range(2))
+    p = tmp_path / "ckpt"
+    save_offline(((r, {k: v for k, v in s.items() if v is not None}) for r, s in states), p, world_size=2)
+    m = json.loads((p / "manifest.json").read_text())
+    assert m["entries"]["split"]["grid"] == {"cuts": [4], "ranks": {"first": 0, "step": 1}}  # two shards: O(1) entry
+    (rank1,) = [f["index"]["name"] for f in m["files"].values() if f["rank"] == 1]
+    (p / rank1).unlink()
+    assert torch.equal(shardpoint.load_full(p, keys=["only0"])["only0"], torch.ones(2))
+    target = {"split": FlatShard(torch.zeros(4), (8,), 0)}  # the first half: rank 0's file only
+    shardpoint.load(target, p, only=["split"])
+    assert torch.equal(target["split"].local, full[:4])
+    with pytest.raises(CorruptCheckpointError, match=rf"index .*{rank1}"):
+        shardpoint.load_full(p, keys=["split"])

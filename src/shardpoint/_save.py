@@ -268,7 +268,9 @@ def _committed(storage: Storage, save_id: str) -> bool:
 phase_hook: Any = None
 
 #: Set by CheckpointManager around a save: rank 0 runs it after the manifest is
-#: written and before the other ranks return (it points ``latest`` and retains).
+#: written and before the other ranks return (it points ``latest``); what it returns,
+#: if callable, runs on rank 0 after every rank has returned from the commit
+#: (retention, out of the commit window).
 after_commit_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("after_commit_hook", default=None)
 
 
