@@ -423,7 +423,8 @@ def test_overwrite_true_replaces_and_removes_old_data(tmp_path: Path) -> None:
     shardpoint.save({"w": torch.zeros(3)}, p, overwrite=True)
     new = data_files(p)
     assert old and new and not (old & new), "the old checkpoint's data files must be gone"
-    assert sorted(os.listdir(p)) == sorted(new | {"manifest.json"}), "no temporary files may be left"
+    indexes = {f.removesuffix(".safetensors") + ".index.json" for f in new}  # each data file's CRC index
+    assert sorted(os.listdir(p)) == sorted(new | indexes | {"manifest.json"}), "no temporary or old files may be left"
     full = shardpoint.load_full(p)
     assert sorted(full) == ["w"] and torch.equal(full["w"], torch.zeros(3))
 
@@ -518,8 +519,13 @@ def test_every_data_file_opens_with_safetensors(tmp_path: Path) -> None:
     for key, e in manifest["entries"].items():
         if e["kind"] != "tensor":
             continue
-        (chunk,) = e["chunks"]
-        name = f"{key}@{','.join(map(str, chunk['offsets']))}"
+        want = expected.get(key)
+        if e.get("chunks") == []:  # a tensor with no elements has no bytes to write
+            assert math.prod(e["shape"]) == 0, key
+            checked += want is not None
+            continue
+        assert e["grid"]["ranks"] == [0], key  # one process: the whole tensor, one chunk, in rank 0's file
+        name = f"{key}@{','.join('0' for _ in e['shape'])}"
         want = expected.get(key)
         got = seen[name]
         dtype = getattr(torch, e["dtype"])
@@ -544,9 +550,9 @@ def test_corrupt_byte_is_caught_naming_file_and_key(tmp_path: Path) -> None:
     p = tmp_path / "ckpt"
     shardpoint.save({"a": torch.arange(100, dtype=torch.float32), "b": torch.ones(10)}, p)
     (f,) = data_files(p)
-    e = json.loads((p / "manifest.json").read_text())["entries"]["a"]["chunks"][0]
+    offset = json.loads((p / (f.removesuffix(".safetensors") + ".index.json")).read_text())["chunks"]["a@0"][0]
     raw = bytearray((p / f).read_bytes())
-    raw[e["offset"] + 17] ^= 0x01
+    raw[offset + 17] ^= 0x01
     (p / f).write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch in {f}.*'a'"):
         shardpoint.load({"a": torch.zeros(100), "b": torch.zeros(10)}, p)
@@ -591,3 +597,44 @@ def test_per_rank_keys_are_checked_like_any_other(tmp_path: Path) -> None:
     assert report.missing == ["rng2"] and target["rng"].value == {"seed": 3} and report.per_rank == {"rng": "restored"}
     report = shardpoint.load(target, tmp_path / "ckpt", exclude=["rng"], strict=False)
     assert report.skipped == ["rng"] and report.per_rank == {}
+
+
+def test_save_offline_compares_replicas_and_names_the_key(tmp_path: Path) -> None:
+    """Replicated bytes that differ between two offline "ranks" are refused, naming the
+    key and the ranks; nothing is committed and no data file is left."""
+    from shardpoint.api import save_offline
+
+    def ranks(differ: bool):  # type: ignore[no-untyped-def]
+        for r in range(2):
+            yield r, {"shared": torch.ones(3) + (r if differ else 0), "mine": shardpoint.PerRank(torch.full((2,), float(r)))}
+
+    with pytest.raises(ShardpointError, match=r"key 'shared' is replicated but its bytes differ between ranks \(ranks \[0\]; ranks \[1\]"):
+        save_offline(ranks(True), tmp_path / "bad", world_size=2)
+    assert not (tmp_path / "bad" / "manifest.json").exists() and not list((tmp_path / "bad").glob("r*"))
+    save_offline(ranks(False), tmp_path / "good", world_size=2)
+    full = shardpoint.load_full(tmp_path / "good")
+    assert torch.equal(full["shared"], torch.ones(3)) and torch.equal(full["mine"][1], torch.ones(2))
+
+
+def test_a_load_reads_only_the_indexes_of_the_files_it_needs(tmp_path: Path) -> None:
+    """Each data file's CRC index is read only by a load that needs that file's
+    chunks: with rank 1's index gone, keys held in rank 0's file still load, and a key
+    with chunks in rank 1's file names the missing index."""
+    from shardpoint.api import save_offline
+    from shardpoint.layout import FlatShard
+
+    full = torch.arange(8.0)
+    states = ((r, {"only0": torch.ones(2) if r == 0 else None, "split": FlatShard(full[4 * r : 4 * r + 4].clone(), (8,), 4 * r)})
+              for r in range(2))
+    p = tmp_path / "ckpt"
+    save_offline(((r, {k: v for k, v in s.items() if v is not None}) for r, s in states), p, world_size=2)
+    m = json.loads((p / "manifest.json").read_text())
+    assert m["entries"]["split"]["grid"] == {"cuts": [4], "ranks": {"first": 0, "step": 1}}  # two shards: O(1) entry
+    (rank1,) = [f["index"]["name"] for f in m["files"].values() if f["rank"] == 1]
+    (p / rank1).unlink()
+    assert torch.equal(shardpoint.load_full(p, keys=["only0"])["only0"], torch.ones(2))
+    target = {"split": FlatShard(torch.zeros(4), (8,), 0)}  # the first half: rank 0's file only
+    shardpoint.load(target, p, only=["split"])
+    assert torch.equal(target["split"].local, full[:4])
+    with pytest.raises(CorruptCheckpointError, match=rf"index .*{rank1}"):
+        shardpoint.load_full(p, keys=["split"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _save
+from shardpoint import _coordinator
 from shardpoint.format import datafile
 from shardpoint.layout import FlatShard
 
@@ -17,7 +17,7 @@ BLOCK = 256  # bytes per CRC block in these tests
 @pytest.fixture()
 def ckpt(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(datafile, "CRC_BLOCK", BLOCK)
-    monkeypatch.setattr(_save, "CRC_BLOCK", BLOCK)
+    monkeypatch.setattr(_coordinator, "CRC_BLOCK", BLOCK)
     w = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: blocks of 64 elements
     shardpoint.save({"w": w}, tmp_path / "c")
     meta = shardpoint.metadata(tmp_path / "c")
@@ -32,8 +32,8 @@ def _data_file(path):  # type: ignore[no-untyped-def]
 def _chunk_offset(path) -> int:  # type: ignore[no-untyped-def]
     import json
 
-    m = json.loads((path / "manifest.json").read_text())
-    return m["entries"]["w"]["chunks"][0]["offset"]
+    (index,) = path.glob("*.index.json")  # the data file's index: where each chunk lies
+    return json.loads(index.read_text())["chunks"]["w@0"][0]
 
 
 def test_partial_read_is_exact_and_reads_only_the_touched_blocks(ckpt) -> None:  # type: ignore[no-untyped-def]

@@ -428,3 +428,55 @@ def test_plan_reads_covers_targets_exactly(data) -> None:  # type: ignore[no-unt
 def test_plan_reads_raises_on_uncovered_target() -> None:
     with pytest.raises(ValueError, match="only partly covered"):
         plan_reads([Box((0,), (3,))], [Box((0,), (5,))])
+
+
+# --- the coordinator's plan cache (pure: messages as they arrive on rank 0) -----------------
+
+def _coord_msgs(world: int, rows: int, held: str | None = None, changed: int | None = None) -> list[dict]:
+    """Messages of ``world`` ranks, each holding rows [r*rows, (r+1)*rows) of one tensor
+    (rank ``changed`` holds one row fewer at the end: a different layout)."""
+    from shardpoint._coordinator import layout_message
+
+    ref = None
+    out = []
+    for r in range(world):
+        n = rows - 1 if r == changed else rows
+        layout = {"containers": {"": "dict"}, "tensors": {"w": {"dtype": "float32", "shape": [world * rows, 2], "numpy": False}},
+                  "chunks": {"key": ["w"], "off": [[r * rows, 0]], "size": [[n, 2]]}, "per_rank": {}}
+        if r == changed:  # the rest of its rows as a second chunk
+            layout["chunks"] = {"key": ["w", "w"], "off": [[r * rows, 0], [r * rows + n, 0]], "size": [[n, 2], [1, 2]]}
+        digest, lay = layout_message(layout, ref)
+        ref = ref or lay["sd"]
+        out.append({"digest": digest, "plan": held, "layout": None if held else lay, "values": {"values": {}, "per_rank": {}}})
+    return out
+
+
+def test_coordinator_reuses_its_plan_only_for_the_same_layout() -> None:
+    from shardpoint import _coordinator as co
+
+    co.forget()
+    first = co.Coordinator("t", 4).plan_round(_coord_msgs(4, 3))
+    plan_id = first[0]["plan_id"]
+    assert all(r["assign"] == {"write": [[0, 1]], "check": []} for r in first)
+    # only rank 0 sent its structure; the others left theirs out
+    assert [m["layout"]["s"] is None for m in _coord_msgs(4, 3)] == [False, True, True, True]
+    again = co.Coordinator("t", 4)
+    second = again.plan_round(_coord_msgs(4, 3, held=plan_id))
+    assert again.reused and [r["assign"] for r in second] == [None] * 4 and second[0]["plan_id"] == plan_id
+    # one rank's layout changed: planned afresh, every rank told its new assignment
+    msgs = _coord_msgs(4, 3, changed=2)
+    for m in msgs[:2] + msgs[3:]:
+        m.update(layout=None, plan=plan_id)
+    changed = co.Coordinator("t", 4)
+    third = changed.plan_round(msgs)
+    assert not changed.reused and third[0]["plan_id"] != plan_id
+    assert third[2]["assign"] == {"write": [[0, 2]], "check": []} and third[0]["assign"] == {"write": [[0, 1]], "check": []}
+    # the coordinator lost its cache (a restarted rank 0): ranks that sent only a digest are asked again
+    co.forget()
+    lost = co.Coordinator("t", 4)
+    ask = lost.plan_round(_coord_msgs(4, 3, held=third[0]["plan_id"]))
+    assert ask == [{"resend": True}] * 4
+    full = _coord_msgs(4, 3)
+    answer = lost.plan_round([{"layout": dict(m["layout"], s=full[0]["layout"]["s"])} for m in full])
+    assert all(r["assign"] == {"write": [[0, 1]], "check": []} for r in answer)
+    co.forget()

@@ -12,9 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, ShardpointError
-from .format.datafile import crc32, dtype_from_name
-from .format.manifest import MANIFEST_NAME, Manifest, Tree, decode_value
+from .errors import CorruptCheckpointError, KeyMismatchError, ShardpointError
+from .format import layouts
+from .format.datafile import crc32, dtype_from_name, itemsize_of
+from .format.index import Located, chunk_name, parse_index
+from .format.manifest import Manifest, Tree, decode_value, read_manifest  # noqa: F401 - re-exported
 from .layout import chunks_of
 from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
 from .report import LoadReport
@@ -25,16 +27,6 @@ from .tree import Node, PerRank, Walk, decode_key, encode_key, join, matches_pre
 IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest at ``storage``, or :class:`CheckpointNotFoundError`."""
-    if not storage.exists(MANIFEST_NAME):
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {storage.url}: it has no {MANIFEST_NAME}, so no save ever committed there "
-            "(a save that failed or was killed leaves no manifest); check the path"
-        )
-    return Manifest.parse(bytes(storage.read(MANIFEST_NAME)), where=f"{storage.url}/{MANIFEST_NAME}")
-
-
 @dataclass(slots=True)
 class _Target:
     """A tensor to fill: its boxes and the views that hold them."""
@@ -43,42 +35,56 @@ class _Target:
     entry: dict[str, Any]
     boxes: list[Box]
     views: list[torch.Tensor]
+    per_rank: bool = False
 
 
 @dataclass(slots=True)
 class Reader:
-    """Executes reads for many targets in parallel, verifying block checksums."""
+    """Executes reads for many targets in parallel, verifying block checksums.
+
+    A version 2 manifest describes each tensor by its layout; where a chunk's bytes
+    lie is in its data file's index, which this reads (once, verified against the
+    manifest's digest) only for the files the targets need."""
 
     storage: Storage
-    crc_block: int
+    manifest: Manifest
     verify: bool = True
     bytes_read: int = 0
     targets: list[_Target] = field(default_factory=list)
+    _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
 
-    def add(self, key: str, entry: dict[str, Any], boxes: list[Box], views: list[torch.Tensor]) -> None:
-        self.targets.append(_Target(key, entry, boxes, views))
+    @property
+    def crc_block(self) -> int:
+        return self.manifest.crc_block
+
+    def add(self, key: str, entry: dict[str, Any], boxes: list[Box], views: list[torch.Tensor], per_rank: bool = False) -> None:
+        self.targets.append(_Target(key, entry, boxes, views, per_rank))
 
     def run(self) -> None:
         jobs: list[Callable[[], int]] = []
         for t in self.targets:
             dtype = dtype_from_name(t.entry["dtype"])
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            saved = [Box(tuple(c["offsets"]), tuple(c["sizes"])) for c in t.entry["chunks"]]
+            itemsize = itemsize_of(t.entry["dtype"])
             shape = tuple(t.entry["shape"])
-            if len(saved) > 1:
-                _validate_saved(t.key, saved, shape)
-            for c, b in zip(t.entry["chunks"], saved):
-                if c["length"] != b.numel * itemsize:
-                    raise CorruptCheckpointError(
-                        f"key {t.key!r}: a chunk in {c['file']} is {c['length']} bytes but its box holds "
-                        f"{b.numel} x {itemsize} bytes; the manifest is damaged"
-                    )
+            saved = saved_chunks(self.manifest, t.entry, shape)
+            boxes = [Box(off, size) for off, size, _ in saved]
+            if len(boxes) > 1 and (self.manifest.version < 2 or "chunks" in t.entry):
+                _validate_saved(t.key, boxes, shape)
             try:
-                ops = plan_reads(saved, t.boxes)
+                ops = plan_reads(boxes, t.boxes)
             except ValueError:
                 raise CorruptCheckpointError(f"key {t.key!r}: the checkpoint's chunks do not cover the tensor") from None
+            located: dict[int, dict[str, Any]] = {}
             for op in ops:
-                jobs.append(self._job(t, op, saved[op.source], t.entry["chunks"][op.source], dtype, itemsize))
+                c = located.get(op.source)
+                if c is None:
+                    c = located[op.source] = self.locate(t.key, saved[op.source], t.per_rank)
+                    if c["length"] != boxes[op.source].numel * itemsize:
+                        raise CorruptCheckpointError(
+                            f"key {t.key!r}: a chunk in {c['file']} is {c['length']} bytes but its box holds "
+                            f"{boxes[op.source].numel} x {itemsize} bytes; the manifest is damaged"
+                        )
+                jobs.append(self._job(t, op, boxes[op.source], c, dtype, itemsize))
         if not jobs:
             return
         if len(jobs) == 1 or IO_THREADS <= 1:
@@ -97,27 +103,7 @@ class Reader:
                 if box_runs(op.region, sbox)[3] == 1:  # one contiguous byte range on both sides
                     return self._read_range_into(t.key, chunk, op.first * itemsize, op.last * itemsize, dst)
             lo, hi = op.first * itemsize, op.last * itemsize
-            if self.verify:
-                blk = self.crc_block
-                lo, hi = (lo // blk) * blk, min(-(-hi // blk) * blk, chunk["length"])
-            try:
-                data = self.storage.read(chunk["file"], chunk["offset"] + lo, hi - lo)
-            except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
-                raise CorruptCheckpointError(f"key {t.key!r}: {e}") from None
-            if not isinstance(data, bytearray):
-                data = bytearray(data)
-            if len(data) != hi - lo:
-                raise CorruptCheckpointError(f"key {t.key!r}: short read from {chunk['file']}; the file is truncated")
-            if self.verify:
-                blk = self.crc_block
-                mv = memoryview(data)
-                for j, i in enumerate(range(0, max(len(data), 1), blk)):
-                    want = chunk["crc32"][lo // blk + j]
-                    if crc32(mv[i : i + blk]) != want:
-                        raise CorruptCheckpointError(
-                            f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + lo + i}..{chunk['offset'] + lo + i + len(mv[i : i + blk])}) "
-                            f"for key {t.key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
-                        )
+            data, lo = self._read_staged(t.key, chunk, lo, hi)
             if op.region.numel == 0:
                 return len(data)
             src = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if len(data) else torch.empty(0, dtype=dtype)
@@ -132,35 +118,110 @@ class Reader:
 
         return run
 
+    def locate(self, key: str, chunk: Any, per_rank: bool) -> dict[str, Any]:
+        """A saved chunk with its file, byte offset, length and block CRCs (version 2:
+        from its file's index)."""
+        off, size, where = chunk
+        if isinstance(where, dict):  # version 1: the manifest says it all
+            return where
+        fname = self.manifest.file_of_rank(where)
+        if fname is None:
+            raise CorruptCheckpointError(
+                f"key {key!r}: the manifest places a chunk in the file of rank {where}, which it does not list; "
+                "the manifest is damaged"
+            )
+        idx = self._indexes.get(fname)
+        if idx is None:
+            idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
+        name = chunk_name(key, off, per_rank)
+        loc = idx.get(name)
+        if loc is None:
+            raise CorruptCheckpointError(
+                f"key {key!r}: chunk {name!r} is not in the index of {fname}; the checkpoint is damaged"
+            )
+        return {"offsets": off, "sizes": size, "file": fname, "offset": loc.offset, "length": loc.length,
+                "crc32": loc.crc32}
+
+    def _read_staged(self, key: str, chunk: dict[str, Any], lo: int, hi: int) -> tuple[bytearray, int]:
+        """Bytes ``[lo, hi)`` of a saved chunk (rounded out to whole checksum blocks
+        when verifying) in a new buffer, verified; returns it and where it starts."""
+        a, b = self._span(chunk, lo, hi)
+        data = self._read(key, chunk, a, b - a)
+        if self.verify:
+            self._check(key, chunk, a, b, a, b, b"", memoryview(data), b"")
+        return data, a
+
     def _read_range_into(self, key: str, chunk: dict[str, Any], lo: int, hi: int, dst: torch.Tensor) -> int:
         """Bytes ``[lo, hi)`` of a saved chunk straight into a contiguous CPU target of
         the same dtype, with no staging copy. To verify, the partial CRC blocks at the
         two ends are completed with small reads of their outer bytes (CRC-32 chains);
         returns the bytes read."""
         view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        base = chunk["offset"]
         try:
-            self.storage.read_into(chunk["file"], base + lo, view)
-            if not self.verify:
-                return len(view)
-            blk, length = self.crc_block, chunk["length"]
-            a, b = (lo // blk) * blk, min(-(-hi // blk) * blk, length)
-            head = self.storage.read(chunk["file"], base + a, lo - a) if lo > a else b""
-            tail = self.storage.read(chunk["file"], base + hi, b - hi) if b > hi else b""
+            self.storage.read_into(chunk["file"], chunk["offset"] + lo, view)
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
             raise CorruptCheckpointError(f"key {key!r}: {e}") from None
-        for j in range(a // blk, -(-b // blk)):
+        if not self.verify:
+            return len(view)
+        a, b = self._span(chunk, lo, hi)
+        head = self._read(key, chunk, a, lo - a) if lo > a else b""
+        tail = self._read(key, chunk, hi, b - hi) if b > hi else b""
+        self._check(key, chunk, a, b, lo, hi, head, view, tail)
+        return len(view) + len(head) + len(tail)
+
+    def _span(self, chunk: dict[str, Any], lo: int, hi: int) -> tuple[int, int]:
+        """``[lo, hi)`` rounded out to whole checksum blocks (when verifying)."""
+        if not self.verify:
+            return lo, hi
+        blk = self.crc_block
+        return (lo // blk) * blk, min(-(-hi // blk) * blk, chunk["length"])
+
+    def _read(self, key: str, chunk: dict[str, Any], at: int, n: int) -> bytearray:
+        try:
+            data = self.storage.read(chunk["file"], chunk["offset"] + at, n)
+        except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
+            raise CorruptCheckpointError(f"key {key!r}: {e}") from None
+        if len(data) != n:
+            raise CorruptCheckpointError(f"key {key!r}: short read from {chunk['file']}; the file is truncated")
+        return data if isinstance(data, bytearray) else bytearray(data)
+
+    def _check(self, key: str, chunk: dict[str, Any], a: int, b: int, lo: int, hi: int,
+               head: Any, mid: Any, tail: Any) -> None:
+        """Check blocks ``[a, b)`` of a chunk whose bytes are ``head`` (``[a, lo)``),
+        ``mid`` (``[lo, hi)``) and ``tail`` (``[hi, b)``), chaining CRC-32 across them."""
+        blk, length = self.crc_block, chunk["length"]
+        for j in range(a // blk, max(-(-b // blk), a // blk + 1)):
             s, e = j * blk, min((j + 1) * blk, length)
             crc = crc32(head[s - a :]) if s < lo else 0
-            crc = crc32(view[max(s, lo) - lo : min(e, hi) - lo], crc)
+            crc = crc32(mid[max(s, lo) - lo : max(min(e, hi) - lo, 0)], crc)
             if e > hi:
-                crc = crc32(tail[: e - hi], crc)
+                crc = crc32(tail[max(s, hi) - hi : e - hi], crc)
             if crc != chunk["crc32"][j]:
                 raise CorruptCheckpointError(
-                    f"checksum mismatch in {chunk['file']} (bytes {base + s}..{base + e}) for key {key!r}: the file is "
-                    "damaged. Restore it from a copy, or load another checkpoint"
+                    f"checksum mismatch in {chunk['file']} (bytes {chunk['offset'] + s}..{chunk['offset'] + e}) for key "
+                    f"{key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
                 )
-        return len(view) + len(head) + len(tail)
+
+
+def read_index(storage: Storage, manifest: Manifest, fname: str) -> dict[str, Located]:
+    """The verified index of data file ``fname`` (its bytes must have the size and
+    SHA-256 the manifest committed)."""
+    rec = manifest.files[fname]["index"]
+    where = f"{storage.url}/{rec['name']}"
+    try:
+        data = storage.read(rec["name"])
+    except (CorruptCheckpointError, OSError) as e:
+        raise CorruptCheckpointError(f"the index {where} of {fname} cannot be read ({e}); the checkpoint is damaged") from None
+    return parse_index(data, data_file=fname, expect=rec, file_size=manifest.files[fname]["size"],
+                       block=manifest.crc_block, where=where)
+
+
+def saved_chunks(manifest: Manifest, entry: dict[str, Any], shape: tuple[int, ...]) -> list[tuple[Any, Any, Any]]:
+    """``(offsets, sizes, where)`` of every saved chunk of a tensor entry: ``where`` is
+    the version 1 chunk dict, or (version 2) the rank whose file holds it."""
+    if manifest.version < 2:
+        return [(tuple(c["offsets"]), tuple(c["sizes"]), c) for c in entry["chunks"]]
+    return layouts.expand(entry, shape)  # type: ignore[return-value]
 
 
 def _validate_saved(key: str, boxes: list[Box], shape: tuple[int, ...]) -> None:
@@ -200,6 +261,7 @@ class TreeLoad:
     pending: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)  # container key -> [(seg, value)]
     touched: set[str] = field(default_factory=set)
     rank: int = 0
+    per_rank: bool = False  # a per-rank value's tree (its chunks are named apart in the data files)
     hollow: dict[str, list[tuple[Any, str]]] | None = None  # see hollow_containers; computed on first use
 
     def check(self, strict: bool) -> None:
@@ -261,7 +323,7 @@ class TreeLoad:
                 lc = chunks_of(key, node.obj)
                 if lc.dtype != dtype_from_name(e["dtype"]):
                     r.cast.append(key)
-                reader.add(key, e, lc.boxes, lc.views)
+                reader.add(key, e, lc.boxes, lc.views, self.per_rank)
             else:
                 self.values[key] = decode_value(e["value"], where=f"entry {key!r}") if e["kind"] == "value" else None
                 if e["kind"] != "value":
@@ -278,9 +340,9 @@ class TreeLoad:
                 r.per_rank[key] = "restored" if sub else "kept"
                 if sub is None:
                     continue
-                value: Any = PerRank(materialise_tree(Tree(sub["containers"], sub["entries"]), key, reader))
+                value: Any = PerRank(materialise_tree(Tree(sub["containers"], sub["entries"]), key, reader, per_rank=True))
             else:
-                value = leaf_value(key, e, reader)
+                value = leaf_value(key, e, reader, self.per_rank)
             path = decode_key(key)
             anc_path = decode_key(anchor)
             self._insert(anchor, path[len(anc_path) :], value)
@@ -291,7 +353,7 @@ class TreeLoad:
         """The deepest local container above ``key``, unless a local leaf is in the way."""
         path = decode_key(key)
         for n in range(len(path) - 1, -1, -1):
-            k = encode_key(path[:n])
+            k = "" if n == 0 else encode_key(path[:n])
             if k in self.walk.leaves or k in self.walk.per_rank:
                 return None
             if k in self.walk.containers:
@@ -402,27 +464,37 @@ class _Pending:
         return vals
 
 
-def materialise_tree(tree: Tree, key: str, reader: Reader) -> Any:
+def materialise_tree(tree: Tree, key: str, reader: Reader, per_rank: bool = False,
+                     select: Callable[[str], bool] | None = None) -> Any:
     """Build the value of a whole saved (sub)tree rooted at ``key`` (tensors are
-    allocated and scheduled on ``reader``)."""
-    if key in tree.entries:
-        return leaf_value(key, tree.entries[key], reader)
-    root = _Pending(key, tree.containers, hollow_containers(tree))
+    allocated and scheduled on ``reader``; a per-rank value becomes ``{rank: value}``).
+    ``select`` limits it to some keys."""
+    if key in tree.entries and (select is None or select(key)):
+        return _entry_value(key, tree.entries[key], reader, per_rank)
+    root = _Pending(key, tree.containers, hollow_containers(tree, select))
     base = len(decode_key(key))
     for k, e in tree.entries.items():
-        root.put(decode_key(k)[base:], leaf_value(k, e, reader))
+        if select is None or select(k):
+            root.put(decode_key(k)[base:], _entry_value(k, e, reader, per_rank))
     return root.build()
 
 
-def leaf_value(key: str, e: dict[str, Any], reader: Reader) -> Any:
+def _entry_value(key: str, e: dict[str, Any], reader: Reader, per_rank: bool) -> Any:
+    if e["kind"] == "per_rank" and not per_rank:
+        return {int(r): materialise_tree(Tree(s["containers"], s["entries"]), key, reader, per_rank=True)
+                for r, s in e["ranks"].items()}
+    return leaf_value(key, e, reader, per_rank)
+
+
+def leaf_value(key: str, e: dict[str, Any], reader: Reader, per_rank: bool = False) -> Any:
     """A new value for one saved leaf (CPU tensor, numpy array or plain value)."""
     if e["kind"] == "value":
         return decode_value(e["value"], where=f"entry {key!r}")
     if e["kind"] != "tensor":
         raise CorruptCheckpointError(f"entry {key!r}: a {e['kind']!r} entry cannot appear here")
     shape = tuple(e["shape"])
-    t = _allocate(key, e, shape, reader.storage)
-    reader.add(key, e, [Box((0,) * len(shape), shape)], [t])
+    t = _allocate(key, e, shape, reader)
+    reader.add(key, e, [Box((0,) * len(shape), shape)], [t], per_rank)
     return t.numpy() if e.get("numpy") else t
 
 
@@ -430,21 +502,31 @@ def leaf_value(key: str, e: dict[str, Any], reader: Reader) -> Any:
 _CHECK_BEFORE_ALLOC = 64 << 20
 
 
-def _allocate(key: str, e: dict[str, Any], shape: tuple[int, ...], storage: Storage) -> torch.Tensor:
+def _allocate(key: str, e: dict[str, Any], shape: tuple[int, ...], reader: Reader) -> torch.Tensor:
     """An empty tensor for a saved leaf. A manifest's shape is only a claim: for a
     large tensor, first check that its files really hold its bytes, so a damaged or
     hostile manifest cannot ask for a petabyte."""
     dtype = dtype_from_name(e["dtype"])
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * itemsize_of(e["dtype"])
     if nbytes >= _CHECK_BEFORE_ALLOC:
-        for c in e["chunks"]:
+        m, storage = reader.manifest, reader.storage
+        if m.version < 2:
+            ends = [(c["file"], c["offset"] + c["length"]) for c in e["chunks"]]
+        else:
+            ends = []
+            for r in sorted({r for _, _, r in saved_chunks(m, e, shape)}):
+                f = m.file_of_rank(r)
+                if f is None:
+                    raise CorruptCheckpointError(f"key {key!r}: the manifest lists no data file of rank {r}; it is damaged")
+                ends.append((f, m.files[f]["size"]))
+        for fname, end in ends:
             try:
-                size = storage.size(c["file"])
+                size = storage.size(fname)
             except (OSError, CorruptCheckpointError) as err:
-                raise CorruptCheckpointError(f"key {key!r}: data file {c['file']} cannot be read ({err})") from None
-            if c["offset"] + c["length"] > size:
+                raise CorruptCheckpointError(f"key {key!r}: data file {fname} cannot be read ({err})") from None
+            if end > size:
                 raise CorruptCheckpointError(
-                    f"key {key!r}: the manifest places its bytes up to byte {c['offset'] + c['length']} of {c['file']}, "
+                    f"key {key!r}: the manifest places its bytes up to byte {end} of {fname}, "
                     f"which has {size}; the file is truncated or the manifest is damaged"
                 )
     try:
@@ -465,7 +547,7 @@ def load_per_rank(key: str, node_walk: Walk, entry: dict[str, Any], rank: int,
         return []
     tree = Tree(containers=sub["containers"], entries=sub["entries"])
     report.per_rank[key] = "restored"
-    tl = TreeLoad(node_walk, tree, select, report, rank=rank)
+    tl = TreeLoad(node_walk, tree, select, report, rank=rank, per_rank=True)
     tl.check(strict)
     tl.plan(reader, lambda k: False, create)
     return [tl]

@@ -1,10 +1,13 @@
 """Collective save: describe -> plan -> write -> commit.
 
-Phase 1 (describe): each rank walks its state and sends what it holds (keys,
-dtypes, shapes, boxes, plain values) to every rank; every rank then computes the
-same plan (who writes which bytes) with the pure planner.
+Phase 1 (describe, plan): each rank walks its state and sends rank 0 (the
+coordinator) the digest of its layout and its plain values, and the layout itself
+(keys, dtypes, shapes, boxes) only when it changed since its last save. Rank 0
+plans (:mod:`shardpoint._coordinator`) and sends each rank only its own assignment,
+none when the rank already holds it from the previous save of the same layout.
 Phase 2 (write): each rank streams its chunks into one safetensors file, fsyncs
-it, and reports where each chunk landed with its checksums.
+it, writes the file's CRC index beside it, and sends rank 0 the index's digest and
+the checksums of its replica rows.
 Phase 3 (commit): rank 0 checks that replicas agree, writes the manifest last
 (temporary name, rename, directory fsync) and tells everyone. A failure in any
 phase raises on every rank and leaves no manifest.
@@ -13,22 +16,20 @@ phase raises on every rank and leaves no manifest.
 from __future__ import annotations
 
 import contextvars
-import time
-import uuid
+import warnings
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import __version__
-from .collective import Comm, agree
+from ._coordinator import Coordinator, layout_message, layout_of, make_plan, replica_digest, values_of  # noqa: F401 - make_plan: plan_bench
+from .collective import Comm, coordinate
 from .errors import ShardpointError
-from .format.datafile import CRC_BLOCK, block_crcs, dtype_name, tensor_bytes, write_data_file
-from .format.manifest import MANIFEST_NAME, Manifest, Tree, encode_value
+from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
+from .format.index import chunk_name, digest, index_bytes, index_name
+from .format.manifest import MANIFEST_NAME, encode_value, read_manifest
 from .layout import chunks_of
-from .plan import ChunkTable, PlanError, plan_save
 from .storage import Storage
 from .tree import Walk, walk
 
@@ -89,108 +90,9 @@ def describe(state: Any, rank: int) -> _Local:
     return local
 
 
-@dataclass(slots=True)
-class _Plan:
-    keys: list[str]
-    info: dict[str, dict[str, Any]]  # tensor key -> dtype/shape/numpy
-    values: dict[str, Any]  # value key -> encoded
-    containers: dict[str, str]
-    row_start: list[int]  # first global row of each rank
-    table: ChunkTable
-    group: np.ndarray
-    writer: np.ndarray
-    replicated: np.ndarray
-
-
-def make_plan(metas: list[dict[str, Any]]) -> _Plan:
-    """Phase 1 on every rank, from everyone's metadata: deterministic, so every rank
-    reaches the same plan or raises the same error.
-
-    Vectorised: per-rank descriptions that equal the first one are compared in C, and
-    the chunk rows of all ranks become arrays in a few passes, so planning for 1,024
-    ranks x 2,000 tensors takes a couple of seconds."""
-    info: dict[str, dict[str, Any]] = {}
-    first_holder: dict[str, int] = {}
-    values: dict[str, Any] = {}
-    value_holders: dict[str, dict[str, list[int]]] = {}
-    containers: dict[str, str] = {}
-    seen_tensors: list[dict[str, Any]] = []  # distinct per-rank tensor descriptions already merged
-    for r, m in enumerate(metas):
-        if m["containers"] != containers:
-            for k, t in m["containers"].items():
-                if containers.setdefault(k, t) != t:
-                    raise ShardpointError(f"key {k!r} is a {containers[k]} on some ranks and a {t} on rank {r}; the state's structure must agree")
-        tensors = m["tensors"]
-        if not any(tensors == d for d in seen_tensors[-2:]):  # the common case: the same as a rank before
-            seen_tensors.append(tensors)
-            for k, t in tensors.items():
-                prev = info.setdefault(k, t)
-                first_holder.setdefault(k, r)
-                if prev is not t and (prev["dtype"] != t["dtype"] or prev["shape"] != t["shape"]):
-                    raise ShardpointError(
-                        f"key {k!r} is a {prev['dtype']} tensor of global shape {prev['shape']} on rank {first_holder[k]} but a "
-                        f"{t['dtype']} of shape {t['shape']} on rank {r}; every rank must describe the same global tensor"
-                    )
-        for k, v in m["values"].items():
-            value_holders.setdefault(k, {}).setdefault(repr(v), []).append(r)
-            values.setdefault(k, v)
-    both = set(info) & set(values)
-    if both:
-        k = sorted(both)[0]
-        raise ShardpointError(f"key {k!r} is a tensor on some ranks and a plain value on others")
-    for k, by_value in value_holders.items():
-        if len(by_value) > 1:
-            groups = sorted(by_value.values())
-            raise ShardpointError(
-                f"key {k!r} differs between ranks ({'; '.join('ranks ' + str(g) for g in groups)} hold different values) "
-                "but is saved as replicated; wrap per-rank values in shardpoint.PerRank(...), or make them agree"
-            )
-    keys = sorted(info)
-    kid = {k: i for i, k in enumerate(keys)}
-    nds = np.array([len(info[k]["shape"]) for k in keys], dtype=np.int64)
-    ndim = int(max(nds.max(initial=0), 1))
-    sizes_of_key = np.array([_itemsize(info[k]["dtype"]) for k in keys], dtype=np.int64)
-    counts = [len(m["chunks"]["key"]) for m in metas]
-    row_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist() if counts else []
-    n = int(sum(counts))
-    ids: list[np.ndarray] = []
-    prev_keys: list[str] | None = None
-    for m in metas:  # ranks usually list the same keys in the same order: look them up once
-        ks = m["chunks"]["key"]
-        if ks != prev_keys:
-            cur = np.fromiter((kid[k] for k in ks), dtype=np.int64, count=len(ks))
-            prev_keys = ks
-        ids.append(cur)
-    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    lens = nds[key_col]
-    total = int(lens.sum())
-    rows = np.repeat(np.arange(n), lens)
-    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    offsets = np.zeros((n, ndim), dtype=np.int64)
-    sizes = np.ones((n, ndim), dtype=np.int64)
-    for name, out in (("off", offsets), ("size", sizes)):
-        flat = np.fromiter(chain.from_iterable(chain.from_iterable(m["chunks"][name] for m in metas)), dtype=np.int64)
-        if flat.size != total:
-            raise ShardpointError("a rank described chunks whose rank does not match their tensor's shape")
-        out[rows, cols] = flat
-    shapes = np.ones((len(keys), ndim), dtype=np.int64)
-    for i, k in enumerate(keys):
-        shp = info[k]["shape"]
-        shapes[i, : len(shp)] = shp
-    table = ChunkTable(
-        key=key_col, rank=np.repeat(np.arange(len(metas), dtype=np.int64), counts), offsets=offsets, sizes=sizes,
-        itemsize=sizes_of_key[key_col] if n else np.zeros(0, dtype=np.int64),
-    )
-    try:
-        sp = plan_save(table, shapes, len(metas))
-    except PlanError as e:
-        detail = "; ".join(f"key {keys[k]!r}: {why}" for k, why in sorted(e.problems.items()))
-        raise ShardpointError(f"the ranks' pieces do not form valid tensors: {detail}") from None
-    return _Plan(keys, info, values, containers, row_start, table, sp.group, sp.writer, sp.replicated)
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+def data_file(rank: int, save_id: str) -> str:
+    """The data file rank ``rank`` writes in save ``save_id``."""
+    return f"r{rank:05d}-{save_id}.safetensors"
 
 
 def _cpu(v: torch.Tensor) -> torch.Tensor:
@@ -200,186 +102,164 @@ def _cpu(v: torch.Tensor) -> torch.Tensor:
     return v.contiguous()
 
 
-def _tname(key: str, off: list[int]) -> str:
-    """The safetensors name of a chunk: unique in its file (the offsets after the
-    last '@' name the box; a key never starts with '/')."""
-    return f"{key}@{','.join(map(str, off))}"
+def _mask(ranges: list[list[int]], n: int) -> np.ndarray:
+    m = np.zeros(n, dtype=bool)
+    for a, b in ranges:
+        m[a:b] = True
+    return m
 
 
-def write_rank(storage: Storage, fname: str, local: _Local, plan: _Plan | None, rank: int) -> dict[str, Any]:
-    """Phase 2 on one rank: write this rank's chunks, return where they landed."""
+def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, Any]) -> dict[str, Any]:
+    """Phase 2 on one rank: write the chunk rows ``assign`` gives this rank and all of
+    its per-rank values' chunks to ``fname`` with their index object beside it;
+    return the file's size, the index's record, and the checksums of the replica rows
+    ``assign`` asks to check."""
     rows = local.meta["chunks"]
+    n = len(local.views)
+    write, check = _mask(assign["write"], n), _mask(assign["check"], n)
     to_write: list[tuple[str, torch.Tensor]] = []
     mine: list[int] = []
     replica_crcs: list[list[Any]] = []
-    if plan is not None:
-        start = plan.row_start[rank]
-        for i, v in enumerate(local.views):
-            g = start + i
-            if plan.writer[g]:
-                mine.append(i)
-                to_write.append((_tname(rows["key"][i], rows["off"][i]), _cpu(v)))
-            elif plan.replicated[g]:
-                replica_crcs.append([i, block_crcs(tensor_bytes(_cpu(v)))])
-    per_rank_idx: list[tuple[str, int]] = []
+    for i in np.nonzero(write | check)[0].tolist():
+        v = _cpu(local.views[i])
+        if write[i]:
+            mine.append(i)
+            to_write.append((chunk_name(rows["key"][i], rows["off"][i]), v))
+        else:
+            replica_crcs.append([i, replica_digest(block_crcs(tensor_bytes(v)))])
     for pkey, views in local.per_rank_views.items():
         prow = local.meta["per_rank"][pkey]["chunks"]
         for i, v in enumerate(views):
-            per_rank_idx.append((pkey, i))
-            # a leading '/' never starts a key, so this cannot collide with a top-level key "per_rank/..."
-            to_write.append((f"/per_rank/{_tname(prow['key'][i], prow['off'][i])}", _cpu(v)))
+            if v.numel():
+                to_write.append((chunk_name(prow["key"][i], prow["off"][i], per_rank=True), _cpu(v)))
     if not to_write:
-        return {"file": None, "size": 0, "rows": [], "replica_crcs": replica_crcs, "per_rank": {}}
+        return {"file": None, "replicas": _replicas(replica_crcs)}
     written = write_data_file(storage, fname, to_write)
-    out_rows = [[i, w.offset, w.length, w.crc32] for i, w in zip(mine, written[: len(mine)])]
-    per_rank: dict[str, list] = {}
-    for (pkey, i), w in zip(per_rank_idx, written[len(mine) :]):
-        per_rank.setdefault(pkey, []).append([i, w.offset, w.length, w.crc32])
-    for i, w in zip(mine, written[: len(mine)]):
-        g = plan.row_start[rank] + i  # type: ignore[union-attr]
-        if plan.replicated[g]:  # type: ignore[union-attr]
-            replica_crcs.append([i, w.crc32])
-    size = storage.size(fname)
-    return {"file": fname, "size": size, "rows": out_rows, "replica_crcs": replica_crcs, "per_rank": per_rank}
+    replica_crcs += [[i, replica_digest(w.crc32)] for i, w in zip(mine, written) if check[i]]
+    idx = index_bytes(fname, [(name, w) for (name, _), w in zip(to_write, written)])
+    iname = index_name(fname)
+    storage.write_file(iname, [idx])
+    return {"file": fname, "size": storage.size(fname), "replicas": _replicas(replica_crcs),
+            "index": {"name": iname, "size": len(idx), "sha256": digest(idx)}}
 
 
-def check_replicas(plan: _Plan, statuses: list[dict[str, Any]]) -> None:
-    """Raise naming key and ranks when replicated bytes differ between ranks."""
-    seen: dict[int, dict[str, list[int]]] = {}
-    for r, st in enumerate(statuses):
-        for i, crcs in st["replica_crcs"]:
-            g = int(plan.group[plan.row_start[r] + i])
-            seen.setdefault(g, {}).setdefault(repr(crcs), []).append(r)
-    for g, by in sorted(seen.items()):
-        if len(by) > 1:
-            row = int(np.nonzero(plan.group == g)[0][0])
-            key = plan.keys[int(plan.table.key[row])]
-            groups = "; ".join(f"ranks {v}" for v in sorted(by.values()))
-            raise ShardpointError(
-                f"key {key!r} is replicated but its bytes differ between ranks ({groups} hold different data). "
-                "Replicas that disagree mean the training state has diverged; if the value is meant to differ "
-                "per rank, wrap it in shardpoint.PerRank(...)"
-            )
+def _replicas(pairs: list[list[Any]]) -> list[list[int]]:
+    return [[i for i, _ in pairs], [d for _, d in pairs]]
 
 
-def build_manifest(plan: _Plan, metas: list[dict[str, Any]], statuses: list[dict[str, Any]], save_id: str) -> Manifest:
-    """Phase 3 on rank 0: the manifest from the plan and where every chunk landed."""
-    tree = Tree(containers=dict(sorted(plan.containers.items())))
-    for k, v in sorted(plan.values.items()):
-        tree.entries[k] = {"kind": "value", "value": v}
-    chunks: dict[str, list[dict[str, Any]]] = {k: [] for k in plan.keys}
-    files: dict[str, dict[str, int]] = {}
-    for r, st in enumerate(statuses):
-        if st["file"]:
-            files[st["file"]] = {"size": st["size"], "rank": r}
-        c = metas[r]["chunks"]
-        for i, off, length, crcs in st["rows"]:
-            chunks[c["key"][i]].append(
-                {"offsets": c["off"][i], "sizes": c["size"][i], "file": st["file"], "offset": off, "length": length, "crc32": crcs}
-            )
-    for k in plan.keys:
-        t = plan.info[k]
-        e: dict[str, Any] = {"kind": "tensor", "dtype": t["dtype"], "shape": t["shape"]}
-        if t.get("numpy"):
-            e["numpy"] = True
-        e["chunks"] = sorted(chunks[k], key=lambda c: c["offsets"])
-        tree.entries[k] = e
-    per_rank_keys = sorted({k for m in metas for k in m["per_rank"]})
-    for pkey in per_rank_keys:
-        ranks: dict[str, Any] = {}
-        for r, m in enumerate(metas):
-            d = m["per_rank"].get(pkey)
-            if d is None:
-                continue
-            sub = Tree(containers=d["containers"])
-            for k, v in d["values"].items():
-                sub.entries[k] = {"kind": "value", "value": v}
-            for k, t in d["tensors"].items():
-                sub.entries[k] = {"kind": "tensor", "dtype": t["dtype"], "shape": t["shape"], "chunks": []}
-                if t.get("numpy"):
-                    sub.entries[k]["numpy"] = True
-            c = d["chunks"]
-            for i, off, length, crcs in statuses[r]["per_rank"].get(pkey, []):
-                sub.entries[c["key"][i]]["chunks"].append(
-                    {"offsets": c["off"][i], "sizes": c["size"][i], "file": statuses[r]["file"], "offset": off, "length": length, "crc32": crcs}
+#: Per process group (the Comm's tag): the layout digest this rank last saved, the id
+#: of the plan that answered it and this rank's assignment in that plan.
+_assignments: dict[str, tuple[str, str, dict[str, Any]]] = {}
+
+
+def _plan_phase(comm: Comm, storage: Storage, local: _Local | None, error: BaseException | None,
+                overwrite: bool, coord: Coordinator | None, existed: list[bool]) -> tuple[str, dict[str, Any]]:
+    """Phase 1: send rank 0 this rank's layout digest and values (the layout itself
+    only when it changed since this rank's last save), get back this rank's assignment
+    (none when the cached plan still holds it) and the save id."""
+    layout = layout_of(local.meta) if local is not None else None
+    digest_, whole = layout_message(layout, None) if layout is not None else ("", None)
+    # rank 0's structure digest: a rank whose structure is the same (the usual case) leaves its own out
+    reference = comm.broadcast_json(whole["sd"] if whole is not None and comm.rank == 0 else None)
+    msg = None
+    if whole is not None:
+        lay = dict(whole, s=None) if comm.rank != 0 and whole["sd"] == reference else whole
+        held = _assignments.get(comm.tag)
+        same = held is not None and held[0] == digest_
+        msg = {"digest": digest_, "plan": held[1] if same else None, "layout": None if same else lay,
+               "values": values_of(local.meta)}  # type: ignore[union-attr]
+
+    def decide(msgs: list[Any]) -> list[Any]:
+        assert coord is not None
+        if storage.exists(MANIFEST_NAME):
+            if not overwrite:
+                raise ShardpointError(
+                    f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it, or save to a new path"
                 )
-            ranks[str(r)] = sub.to_json()
-        tree.entries[pkey] = {"kind": "per_rank", "ranks": ranks}
-    return Manifest(
-        world_size=len(metas), created=time.time(), save_id=save_id, tree=tree, files=files,
-        crc_block=CRC_BLOCK, library_version=__version__,
-    )
+            existed[0] = True
+        return coord.plan_round(msgs)
+
+    reply = coordinate(comm, msg, error, decide)
+    if "resend" in reply:  # rank 0 does not know some layouts (its cache was dropped): those ranks send them
+        reply = coordinate(comm, {"layout": whole if reply["resend"] else None}, None,
+                           lambda msgs: coord.plan_round(msgs))  # type: ignore[union-attr]
+    assign = reply["assign"]
+    if assign is None:
+        held = _assignments.get(comm.tag)
+        if held is None or held[1] != reply["plan_id"]:  # pragma: no cover - the coordinator only omits what it sent
+            raise ShardpointError(f"rank {comm.rank}: the coordinator reused a plan this rank does not hold; save again")
+        assign = held[2]
+    _assignments[comm.tag] = (digest_, reply["plan_id"], assign)
+    return reply["save_id"], assign
 
 
 def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: BaseException | None, overwrite: bool,
                     after_commit: Any = None) -> None:
-    """Phases 1-3 given this rank's described state (or the error describing it)."""
-    meta = None
-    if local is not None:
-        meta = dict(local.meta)
-        if comm.rank == 0:
-            meta["exists"] = storage.exists(MANIFEST_NAME)
-            meta["save_id"] = uuid.uuid4().hex[:12]
-    metas = agree(comm, meta, error)
-    if metas[0]["exists"] and not overwrite:
-        raise ShardpointError(
-            f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it, or save to a new path"
-        )
-    plan = make_plan(metas)
+    """Phases 1-3 given this rank's described state (or the error describing it).
+
+    Every message goes to rank 0 or comes from it: a rank other than 0 sends its
+    description and its write status and receives only its own assignment and the
+    outcome, whatever the world size. ``after_commit`` runs on rank 0 right after
+    the manifest is written (before any rank returns); if it returns a callable, that
+    runs on rank 0 after every rank has returned from the commit (retention)."""
+    coord = Coordinator(comm.tag, comm.world) if comm.rank == 0 else None
+    existed = [False]
+    save_id, assign = _plan_phase(comm, storage, local, error, overwrite, coord, existed)
     _fire("planned")
-    save_id = metas[0]["save_id"]
-    fname = f"r{comm.rank:05d}-{save_id}.safetensors"
+    fname = data_file(comm.rank, save_id)
     status, err = None, None
     try:
-        status = write_rank(storage, fname, local, plan, comm.rank)  # type: ignore[arg-type]
+        status = write_rank(storage, fname, local, assign)  # type: ignore[arg-type]
         _fire("written")
     except Exception as e:  # noqa: BLE001 - fanned out to every rank below
         err = e
-    try:
-        statuses = agree(comm, status, err)
-        check_replicas(plan, statuses)
-    except BaseException:
-        storage.remove(fname)
-        raise
-    commit_err = None
-    old_files: list[str] = []
-    if comm.rank == 0:
-        try:
-            if metas[0]["exists"]:
+    later: list[Any] = []
+
+    def commit(statuses: list[Any]) -> list[None]:
+        assert coord is not None
+        old: list[str] = []
+        if existed[0]:
+            try:
+                old = read_manifest(storage).stored_files()
+            except ShardpointError:
+                old = []
+        manifest = coord.manifest(statuses)
+        _fire("before_commit")
+        storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
+        _fire("committed")
+        keep = set(manifest.stored_files())
+        for f in old:
+            if f not in keep:
                 try:
-                    old_files = list(Manifest.parse(storage.read(MANIFEST_NAME)).files)
-                except ShardpointError:
-                    old_files = []
-            manifest = build_manifest(plan, metas, statuses, save_id)
-            _fire("before_commit")
-            storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
-            _fire("committed")
-            new_files = set(manifest.files)
-            for f in old_files:
-                if f not in new_files:
-                    try:
-                        storage.remove(f)
-                    except Exception:  # noqa: BLE001 - the new checkpoint is committed; a leftover is harmless
-                        pass
-            if after_commit is not None:
-                after_commit()
-        except Exception as e:  # noqa: BLE001
-            commit_err = e
+                    storage.remove(f)
+                except Exception:  # noqa: BLE001 - the new checkpoint is committed; a leftover is harmless
+                    pass
+        if after_commit is not None:
+            later.append(after_commit())
+        return [None] * comm.world
+
     try:
-        agree(comm, None, commit_err)
+        coordinate(comm, status, err, commit)
     except BaseException:
         # a failure after the manifest was written (in a hook) leaves a committed
         # checkpoint: its data must stay
         if not _committed(storage, save_id):
             storage.remove(fname)
+            storage.remove(index_name(fname))
         raise
+    for fn in later:
+        if callable(fn):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the checkpoint is committed; retention may try again next save
+                warnings.warn(f"shardpoint: cleaning up old checkpoints after the save failed: {e}", stacklevel=2)
 
 
 def _committed(storage: Storage, save_id: str) -> bool:
     """Whether the manifest at ``storage`` is the one of save ``save_id``."""
     try:
-        return Manifest.parse(bytes(storage.read(MANIFEST_NAME))).save_id == save_id
-    except Exception:  # noqa: BLE001 - no (readable) manifest: not committed
+        return read_manifest(storage).save_id == save_id
+    except ShardpointError:  # no (readable) manifest: not committed
         return False
 
 
@@ -388,7 +268,9 @@ def _committed(storage: Storage, save_id: str) -> bool:
 phase_hook: Any = None
 
 #: Set by CheckpointManager around a save: rank 0 runs it after the manifest is
-#: written and before the other ranks return (it points ``latest`` and retains).
+#: written and before the other ranks return (it points ``latest``); what it returns,
+#: if callable, runs on rank 0 after every rank has returned from the commit
+#: (retention, out of the commit window).
 after_commit_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("after_commit_hook", default=None)
 
 

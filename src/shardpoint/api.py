@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,23 +16,21 @@ import torch
 from ._load import (
     Reader,
     TreeLoad,
-    _Pending,
     _Selector,
-    hollow_containers,
-    leaf_value,
     load_per_rank,
     materialise_tree,
     read_manifest,
+    saved_chunks,
 )
 from ._save import _committed, _Local, after_commit_hook, describe, save_collective
 from .adapters import LoadHooks
 from .collective import Comm, agree
 from .errors import CorruptCheckpointError, ShardpointError
-from .format.datafile import dtype_from_name
-from .format.manifest import Tree, decode_value
+from .format.datafile import dtype_from_name, itemsize_of
+from .format.manifest import decode_value
 from .report import LoadReport
 from .storage import Storage, storage_for
-from .tree import decode_key, matches_prefix
+from .tree import matches_prefix
 
 PathLike = str | os.PathLike[str] | Storage
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -196,7 +195,7 @@ def _read_and_fill(top: TreeLoad, manifest: Any, storage: Storage, select: _Sele
                    strict: bool, create: bool, verify: bool, held: set[str], rank: int) -> None:
     """Plan this rank's reads (its tree and its per-rank values), read them verified,
     and place every value; Stateful objects get ``load_state_dict``."""
-    reader = Reader(storage, manifest.crc_block, verify)
+    reader = Reader(storage, manifest, verify)
     top.plan(reader, held.__contains__, create)
     loads = [top]
     for key, entry in manifest.tree.entries.items():
@@ -249,23 +248,10 @@ def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bo
     value comes back as ``{rank: value}``. ``keys`` limits it to key prefixes."""
     storage = storage_for(path, storage_options)
     manifest = read_manifest(storage)
-    select = _Selector(keys, None)
-    reader = Reader(storage, manifest.crc_block, verify)
-    root = _Pending("", manifest.tree.containers, hollow_containers(manifest.tree, select))
-    for k, e in manifest.tree.entries.items():
-        if not select(k):
-            continue
-        if e["kind"] == "per_rank":
-            val: Any = {int(r): materialise_tree(Tree(s["containers"], s["entries"]), k, reader) for r, s in e["ranks"].items()}
-        else:
-            val = leaf_value(k, e, reader)
-        path_ = decode_key(k)
-        if not path_:
-            reader.run()
-            return val
-        root.put(path_, val)
+    reader = Reader(storage, manifest, verify)
+    value = materialise_tree(manifest.tree, "", reader, select=_Selector(keys, None))
     reader.run()
-    return root.build()
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,10 +285,11 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     tensors, values, per_rank = {}, {}, {}
     for k, e in sorted(m.tree.entries.items()):
         if e["kind"] == "tensor":
+            shape = tuple(e["shape"])
+            chunks = tuple((tuple(off), tuple(size)) for off, size, _ in saved_chunks(m, e, shape))
             tensors[k] = TensorInfo(
-                tuple(e["shape"]), dtype_from_name(e["dtype"], key=k),
-                tuple((tuple(c["offsets"]), tuple(c["sizes"])) for c in e["chunks"]),
-                sum(c["length"] for c in e["chunks"]),
+                shape, dtype_from_name(e["dtype"], key=k), chunks,
+                sum(math.prod(size) for _, size in chunks) * itemsize_of(e["dtype"]),
             )
         elif e["kind"] == "value":
             values[k] = decode_value(e["value"], where=k)

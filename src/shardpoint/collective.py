@@ -53,6 +53,28 @@ _ABORT = 1 << 40
 _POLL = timedelta(seconds=0.25)
 
 _channels: dict[str, _Channel] = {}
+
+class Traffic:
+    """Bytes this process received through the checkpoint group's collectives, and
+    how many collectives it ran (the scale tests and benchmark read it)."""
+
+    __slots__ = ("received", "ops")
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.ops = 0
+
+    def reset(self) -> None:
+        self.received = self.ops = 0
+
+    def add(self, nbytes: int) -> None:
+        self.received += int(nbytes)
+        self.ops += 1
+
+
+#: Counted at the Comm layer for every JSON collective and ``any_true``.
+traffic = Traffic()
+
 _lock = threading.Lock()
 
 
@@ -322,6 +344,7 @@ class Comm:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
         self._run(self.dist.all_gather, outs, buf)
+        traffic.add(8 * self.world + n * self.world)
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
@@ -330,7 +353,89 @@ class Comm:
             return flags
         out = flags.clone()
         self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX)
+        traffic.add(out.numel() * out.element_size())
         return out
+
+    # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
+    def gather_json(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (JSON-serialisable) on rank 0 of the group, in rank
+        order; None on the other ranks, which receive nothing. Sizes travel first (one
+        int64 per rank, gathered), then each payload point-to-point at its own size, so
+        the coordinator receives the sum of the payloads, never the largest times the
+        world."""
+        if self.store is None:
+            return [obj]
+        data = _encode(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        root = self.ranks[0]
+        if self.rank != 0:
+            self._run(self.dist.gather, size, None, dst=root)
+            if data:
+                self._run(self.dist.send, _as_tensor(data), dst=root)
+            traffic.ops += 1
+            return None
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._run(self.dist.gather, size, sizes, dst=root)
+        ns = [int(s.item()) for s in sizes]
+        bufs = [torch.empty(n, dtype=torch.uint8) for n in ns]
+
+        def recv_all(group: Any) -> None:
+            works = [self.dist.irecv(bufs[r], src=self.ranks[r], group=group) for r in range(1, self.world) if ns[r]]
+            for w in works:
+                w.wait()
+
+        self._run(recv_all)
+        traffic.add(8 * self.world + sum(ns[1:]))
+        return [obj] + [json.loads(bytes(b.numpy())) for b in bufs[1:]]
+
+    def scatter_json(self, objs: list[Any] | None) -> Any:
+        """Rank 0 gives ``objs[r]`` to rank ``r`` (``objs`` is ignored elsewhere); each
+        rank receives only its own object (its size, then its bytes)."""
+        if self.store is None:
+            assert objs is not None
+            return objs[0]
+        root = self.ranks[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            assert objs is not None and len(objs) == self.world
+            datas = [_encode(o) for o in objs]
+            sizes = [torch.tensor([len(d)], dtype=torch.int64) for d in datas]
+            self._run(self.dist.scatter, size, sizes, src=root)
+
+            def send_all(group: Any) -> None:
+                works = [self.dist.isend(_as_tensor(datas[r]), dst=self.ranks[r], group=group)
+                         for r in range(1, self.world) if datas[r]]
+                for w in works:
+                    w.wait()
+
+            self._run(send_all)
+            traffic.ops += 1
+            return objs[0]
+        self._run(self.dist.scatter, size, None, src=root)
+        n = int(size.item())
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            self._run(self.dist.recv, buf, src=root)
+        traffic.add(8 + n)
+        return json.loads(bytes(buf.numpy()))
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (``obj`` is ignored elsewhere)."""
+        if self.store is None:
+            return obj
+        root = self.ranks[0]
+        data = _encode(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._run(self.dist.broadcast, size, src=root)
+        n = int(size.item())
+        buf = _as_tensor(data) if self.rank == 0 else torch.empty(n, dtype=torch.uint8)
+        if n:
+            self._run(self.dist.broadcast, buf, src=root)
+        if self.rank == 0:
+            traffic.ops += 1
+            return obj
+        traffic.add(8 + n)
+        return json.loads(bytes(buf.numpy()))
 
     def flag_any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank, on the control lane: never waits for
@@ -421,6 +526,80 @@ class Comm:
         )
 
 
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _failure(error: BaseException) -> dict[str, Any]:
+    return {"ok": False, "error": f"{type(error).__name__}: {error}", "type": type(error).__name__}
+
+
+def _raise_failed(comm: Comm, failed: list[tuple[int, dict[str, Any]]], error: BaseException | None) -> None:
+    """Raise on this rank for a collective call in which ``failed`` ranks failed
+    (this rank's own ``error`` first, with its original type). Another rank's
+    ordinary error (a full disk) arrives as a :class:`ShardpointError` naming that
+    rank; :class:`CollectiveMismatchError` stays for ranks that did not come or died."""
+    if isinstance(error, ShardpointError):
+        raise error
+    if error is not None:  # keep the original (an OSError's errno, say) as the cause
+        raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error}") from error
+    from . import errors
+
+    r, e = failed[0]
+    cls = getattr(errors, e.get("type", ""), None)
+    msg = f"rank {r} failed, so this collective call failed on every rank: {e['error']}"
+    if cls is errors.CollectiveMismatchError:  # that rank saw ranks that did not come or died
+        raise errors.CollectiveMismatchError(msg, ranks=[f for f, _ in failed])
+    if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)):
+        cls = errors.ShardpointError  # its own ordinary error (a full disk): not a missing rank
+    raise cls(msg + "; see that rank's error for the cause and fix it there")
+
+
+def coordinate(comm: Comm, payload: Any, error: BaseException | None, decide: Any) -> Any:
+    """One round of the coordinator pattern: every rank's ``payload`` (or the error it
+    hit) goes to rank 0, which calls ``decide(payloads) -> replies`` (one reply per
+    rank) and sends each rank only its own reply. If any rank failed, or ``decide``
+    raised, every rank raises, naming the failing rank and carrying its message (the
+    failing rank re-raises its own exception). A non-coordinator rank receives one
+    reply, whatever the world size.
+
+    Returns:
+        This rank's reply.
+    """
+    mine = {"ok": True, "payload": payload} if error is None else _failure(error)
+    own: BaseException | None = error
+    try:
+        everyone = comm.gather_json(mine)
+        replies: list[Any] | None = None
+        if everyone is not None:  # the coordinator
+            failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
+            if failed:
+                r, e = failed[0]
+                bad = {"ok": False, "rank": r, "error": e["error"], "type": e["type"], "failed": [f for f, _ in failed]}
+                replies = [bad] * comm.world
+            else:
+                try:
+                    out = decide([e["payload"] for e in everyone])
+                    replies = [{"ok": True, "payload": p} for p in out]
+                except Exception as ex:  # noqa: BLE001 - fanned out to every rank
+                    own = ex
+                    replies = [{**_failure(ex), "rank": 0, "failed": [0]}] * comm.world
+        reply = comm.scatter_json(replies)
+    except CollectiveMismatchError as lost:
+        if own is None:
+            raise
+        # a peer is gone as well; this rank's own failure is what its user needs first
+        raise ShardpointError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})") from own
+    if not reply["ok"]:
+        others = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
+        _raise_failed(comm, [(reply["rank"], reply), *others], own)
+    return reply["payload"]
+
+
 def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
     """Exchange each rank's ``payload`` or error; if any rank failed, raise on every
     rank (the failing rank re-raises its own exception)."""
@@ -437,18 +616,5 @@ def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
         raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error} (and {lost})") from error
     failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
     if failed:
-        if isinstance(error, ShardpointError):
-            raise error
-        if error is not None:  # keep the original (an OSError's errno, say) as the cause
-            raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error}") from error
-        from . import errors
-
-        r, e = failed[0]
-        cls = getattr(errors, e.get("type", ""), None)
-        msg = f"rank {r} failed, so this collective call failed on every rank: {e['error']}"
-        if cls is errors.CollectiveMismatchError:  # that rank saw ranks that did not come or died
-            raise errors.CollectiveMismatchError(msg, ranks=[f for f, _ in failed])
-        if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)):
-            cls = errors.ShardpointError  # its own ordinary error (a full disk): not a missing rank
-        raise cls(msg + "; see that rank's error for the cause and fix it there")
+        _raise_failed(comm, failed, error)
     return [e["payload"] for e in everyone]

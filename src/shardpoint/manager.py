@@ -13,9 +13,9 @@ from typing import Any
 
 from . import _save
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
-from .errors import CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.digest import is_sealed, seal, unseal
-from .format.manifest import MANIFEST_NAME, Manifest
+from .format.manifest import MANIFEST_NAME, read_manifest
 from .report import LoadReport
 from .storage import Storage, storage_for
 
@@ -99,7 +99,9 @@ class CheckpointManager:
         if not sub.exists(MANIFEST_NAME):
             return None
         try:
-            man = Manifest.parse(bytes(sub.read(MANIFEST_NAME)), where=f"{sub.url}/{MANIFEST_NAME}")
+            man = read_manifest(sub)
+        except CheckpointNotFoundError:  # removed since the check above
+            return None
         except (CorruptCheckpointError, OSError) as e:
             return CheckpointInfo(step=int(m.group(1)), path=sub.url, time=_EPOCH, size=0, world_size=0,
                                   damaged=str(e))
@@ -184,9 +186,9 @@ class CheckpointManager:
         name = self.step_dir(step)
         target = self.storage.child(name)
 
-        def after_commit() -> None:
+        def after_commit() -> Any:
             self.storage.write_atomic(LATEST, seal(json.dumps({"latest": name}, separators=(",", ":")).encode()))
-            self._retain(newest=step)
+            return lambda: self._retain(newest=step)  # after every rank returned from the commit
 
         token = _save.after_commit_hook.set(after_commit)
         try:
@@ -270,7 +272,6 @@ class CheckpointManager:
         else:
             info = self._info(self.step_dir(step))
             if info is None:
-                from .errors import CheckpointNotFoundError
 
                 raise CheckpointNotFoundError(
                     f"no committed checkpoint for step {step} under {self.root}; committed steps: {[i.step for i in self.list()]}"

@@ -18,13 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ._load import IO_THREADS, _validate_saved, read_manifest
+from ._load import IO_THREADS, Reader, _validate_saved, saved_chunks
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.datafile import crc32, dtype_from_name
+from .format.datafile import crc32, itemsize_of
 from .format.digest import ALGORITHM
-from .format.manifest import MANIFEST_NAME, Manifest
+from .format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from .plan import Box
 from .storage import Storage, storage_for
 
 __all__ = ["Problem", "VerifyResult", "verify", "main"]
@@ -133,11 +132,13 @@ def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) ->
         res.problems.append(Problem(file=MANIFEST_NAME, key=None, reason=str(e)))
         return res
     res.seal = "verified" if manifest.sealed else "absent"
-    sizes = _check_files(storage, manifest, res)
+    resolved = _resolve(storage, manifest, res)
+    sizes = _check_files(storage, manifest, res, resolved)
     jobs: list[Callable[[], tuple[int, Problem | None]]] = []
-    for key, rank, entry in _tensor_entries(manifest):
+    for key, rank, entry, chunks in resolved:
         res.tensors += 1
-        jobs += _check_tensor(storage, manifest.crc_block, key, rank, entry, sizes, res)
+        if chunks is not None:
+            jobs += _check_tensor(storage, manifest.crc_block, key, rank, entry, chunks, sizes, res)
     if jobs:
         with ThreadPoolExecutor(max_workers=max(1, min(IO_THREADS, len(jobs)))) as ex:
             for nbytes, problem in ex.map(lambda j: j(), jobs):
@@ -145,12 +146,34 @@ def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) ->
                 if problem is not None:
                     res.problems.append(problem)
     try:
-        listed = set(manifest.files) | {MANIFEST_NAME}
+        listed = set(manifest.stored_files()) | {MANIFEST_NAME}
         res.unlisted = [n for n in storage.list() if n not in listed and not n.startswith(f".{MANIFEST_NAME}.tmp-")]
     except OSError:
         pass
     res.problems.sort(key=lambda p: (p.file or "", p.key or "", p.rank if p.rank is not None else -1, p.reason))
     return res
+
+
+Resolved = list[tuple[str, "int | None", dict[str, Any], "list[dict[str, Any]] | None"]]
+
+
+def _resolve(storage: Storage, m: Manifest, res: VerifyResult) -> Resolved:
+    """Every tensor entry with its chunks (file, offset, length, CRCs): listed in a
+    version 1 manifest, from the data files' indexes in version 2. An index that is
+    missing or differs from its digest is a problem of every key it serves (their
+    chunks are then None)."""
+    reader = Reader(storage, m, verify=True)
+    out: Resolved = []
+    for key, rank, e in _tensor_entries(m):
+        try:
+            chunks = [reader.locate(key, c, rank is not None) for c in saved_chunks(m, e, tuple(e["shape"]))]
+        except CorruptCheckpointError as err:
+            index = next((f["index"]["name"] for f in m.files.values() if f.get("index", {}).get("name", "") in str(err)),
+                         MANIFEST_NAME)
+            res.problems.append(Problem(file=index, key=key, rank=rank, reason=str(err)))
+            chunks = None
+        out.append((key, rank, e, chunks))
+    return out
 
 
 def _tensor_entries(m: Manifest) -> Iterator[tuple[str, int | None, dict[str, Any]]]:
@@ -164,11 +187,11 @@ def _tensor_entries(m: Manifest) -> Iterator[tuple[str, int | None, dict[str, An
                         yield k, int(r), se
 
 
-def _check_files(storage: Storage, m: Manifest, res: VerifyResult) -> dict[str, int | None]:
+def _check_files(storage: Storage, m: Manifest, res: VerifyResult, resolved: Resolved) -> dict[str, int | None]:
     """Size and safetensors header of every listed file; returns the real size of
     each (None when it cannot be read at all)."""
     sizes: dict[str, int | None] = {}
-    spans = _chunk_spans(m)
+    spans = _chunk_spans(resolved)
     for name, info in sorted(m.files.items()):
         want = info["size"]
         try:
@@ -191,10 +214,10 @@ def _check_files(storage: Storage, m: Manifest, res: VerifyResult) -> dict[str, 
     return sizes
 
 
-def _chunk_spans(m: Manifest) -> dict[str, list[tuple[int, int, str, int | None]]]:
+def _chunk_spans(resolved: Resolved) -> dict[str, list[tuple[int, int, str, int | None]]]:
     out: dict[str, list[tuple[int, int, str, int | None]]] = {}
-    for key, rank, e in _tensor_entries(m):
-        for c in e["chunks"]:
+    for key, rank, _e, chunks in resolved:
+        for c in chunks or []:
             out.setdefault(c["file"], []).append((c["offset"], c["offset"] + c["length"], key, rank))
     return out
 
@@ -232,16 +255,14 @@ def _check_header(storage: Storage, name: str, size: int, spans: list[tuple[int,
     return None
 
 
-def _check_tensor(storage: Storage, block: int, key: str, rank: int | None, e: dict[str, Any],
+def _check_tensor(storage: Storage, block: int, key: str, rank: int | None, e: dict[str, Any], chunks: list[dict[str, Any]],
                   sizes: dict[str, int | None], res: VerifyResult) -> list[Callable[[], tuple[int, Problem | None]]]:
     """Structural checks now; one checksum job per readable chunk."""
 
     def problem(reason: str, file: str | None = None) -> None:
         res.problems.append(Problem(file=file, key=key, rank=rank, reason=reason))
 
-    itemsize = torch.empty(0, dtype=dtype_from_name(e["dtype"])).element_size()
-    chunks = e["chunks"]
-    from .plan import Box
+    itemsize = itemsize_of(e["dtype"])
 
     boxes = [Box(tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks]
     if len(boxes) > 1:

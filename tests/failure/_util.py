@@ -31,9 +31,45 @@ def write_manifest(path: Path, doc: Any, *, raw: bytes | None = None) -> None:
     (path / "manifest.json").write_bytes(raw if raw is not None else sealed(doc))
 
 
+def as_v1(path: Path) -> dict[str, Any]:
+    """The checkpoint's manifest rewritten in format version 1 (every chunk listed
+    with its file, byte offset, length and CRCs, read from the version 2 indexes):
+    the cases that damage chunk fields apply to it, and it exercises the version 1
+    reader, which every later version keeps."""
+    from shardpoint._load import Reader, saved_chunks
+    from shardpoint.format.manifest import read_manifest
+    from shardpoint.storage import storage_for
+
+    doc = manifest(path)
+    if doc["version"] == 1:
+        return doc
+    st = storage_for(str(path))
+    m = read_manifest(st)
+    reader = Reader(st, m)
+
+    def fix(entries: dict[str, Any], per_rank: bool) -> None:
+        for key, e in entries.items():
+            if e["kind"] == "tensor":
+                located = [reader.locate(key, c, per_rank) for c in saved_chunks(m, e, tuple(e["shape"]))]
+                for form in ("grid", "flat", "chunks"):
+                    e.pop(form, None)
+                e["chunks"] = [dict(c, offsets=list(c["offsets"]), sizes=list(c["sizes"])) for c in located]
+            elif e["kind"] == "per_rank":
+                for sub in e["ranks"].values():
+                    fix(sub["entries"], True)
+
+    fix(doc["entries"], False)
+    doc.pop("seal", None)  # version 1 has no seal
+    doc["version"] = 1
+    for f in doc["files"].values():
+        f.pop("index", None)
+    return doc
+
+
 def chunks(path: Path, key: str, rank: int | None = None) -> list[dict[str, Any]]:
-    """The manifest's chunks of ``key`` (of rank ``rank``'s per-rank value)."""
-    entries = manifest(path)["entries"]
+    """The chunks of ``key`` (of rank ``rank``'s per-rank value), each with its file,
+    byte offset, length and CRCs."""
+    entries = as_v1(path)["entries"]
     if rank is None:
         return entries[key]["chunks"]
     top = next(k for k in entries if key == k or key.startswith(k + "/"))
@@ -43,7 +79,7 @@ def chunks(path: Path, key: str, rank: int | None = None) -> list[dict[str, Any]
 def files_with(path: Path) -> dict[str, list[str]]:
     """Data file -> the keys that have a chunk in it."""
     out: dict[str, set[str]] = {}
-    for key, e in manifest(path)["entries"].items():
+    for key, e in as_v1(path)["entries"].items():
         subs = [e] if e["kind"] == "tensor" else [s for sub in e.get("ranks", {}).values() for s in sub["entries"].values()]
         names = [key] if e["kind"] == "tensor" else [k for sub in e.get("ranks", {}).values() for k in sub["entries"]]
         for name, s in zip(names, subs, strict=True):

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from shardpoint.format.digest import SEAL_HEADER_LEN, seal
 from tests.failure._sandbox import Sandbox
-from tests.failure._util import manifest, sealed
+from tests.failure._util import as_v1, manifest, sealed
 
 OUTSIDE = "outside.safetensors"  # a FIFO beside the checkpoint directory, where '../' names point
 
@@ -249,8 +249,7 @@ def test_fifo_would_block() -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile_manifest(case: str, hostile: Path, sandbox: Sandbox) -> None:
-    m = manifest(hostile)
-    del m["seal"]
+    m = as_v1(hostile)  # these cases damage chunk fields, which a version 1 manifest lists (still read)
     raw = CASES[case](m)
     if case == "absolute-path":
         raw = json.dumps(m).replace('"ABSOLUTE"', json.dumps(str(hostile.parent / OUTSIDE))).encode()
@@ -270,6 +269,120 @@ def test_hostile_manifest(case: str, hostile: Path, sandbox: Sandbox) -> None:
     if case in ("dotdot-file", "dotdot-nested", "absolute-path"):
         for call in ("load", "load_full", "metadata"):
             assert not results[call]["ok"] and "not a plain relative name" in results[call]["message"]
+
+
+def _index_of(m: dict[str, Any]) -> str:
+    return m["files"][_first_file(m)]["index"]["name"]
+
+
+def _grid(m: dict[str, Any], key: str = "model/b") -> dict[str, Any]:
+    return m["entries"][key]["grid"]
+
+
+# version 2: compact layouts and the per-file index objects the manifest protects by digest
+V2_CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "grid-cuts-zero": lambda m: _grid(m).update(cuts=[0]),
+    "grid-cuts-negative": lambda m: _grid(m).update(cuts=[-1]),
+    "grid-cuts-huge-count": lambda m: _tensor(m).update(shape=[1 << 40], grid={"cuts": [1], "ranks": {"first": 0, "step": 0}}),
+    "grid-cuts-not-increasing": lambda m: _grid(m).update(cuts=[[0, 3, 2, 5]], ranks=[0, 0, 0]),
+    "grid-cuts-wrong-end": lambda m: _grid(m).update(cuts=[[0, 7]]),
+    "grid-cuts-float": lambda m: _grid(m).update(cuts=[2.5]),
+    "grid-cuts-wrong-count": lambda m: _grid(m).update(cuts=[5, 5]),
+    "grid-ranks-beyond-world": lambda m: _grid(m).update(ranks=[9]),
+    "grid-ranks-too-few": lambda m: _grid(m).update(cuts=[1]),
+    "grid-ranks-step-out": lambda m: _grid(m).update(cuts=[1], ranks={"first": 1, "step": 5}),
+    "grid-ranks-extra-field": lambda m: _grid(m).update(ranks={"first": 0, "step": 0, "x": 1}),
+    "grid-and-chunks": lambda m: m["entries"]["model/b"].update(chunks=[]),
+    "no-layout": lambda m: [m["entries"]["model/b"].pop(f, None) for f in ("grid", "flat", "chunks")],
+    "grid-rank-without-file": lambda m: [m["files"].pop(f) for f in sorted(m["files"]) if m["files"][f]["rank"] == 0],
+    "flat-gap": lambda m: _tensor(m).update(flat=[[0, 10, 0], [11, 24, 1]]) or _tensor(m).pop("grid", None),
+    "flat-past-end": lambda m: _tensor(m).update(flat=[[0, 30, 0]]) or _tensor(m).pop("grid", None),
+    "flat-not-a-list": lambda m: _tensor(m).update(flat={"0": 1}) or _tensor(m).pop("grid", None),
+    "flat-wrong-rank": lambda m: _tensor(m).update(flat=[[0, 24, 5]]) or _tensor(m).pop("grid", None),
+    "flat-unknown-boxes": lambda m: _tensor(m).update(flat=[[0, 7, 0], [7, 24, 1]]) or _tensor(m).pop("grid", None),
+    "chunks-v2-no-rank": lambda m: _tensor(m).update(chunks=[{"offsets": [0, 0], "sizes": [4, 6]}]) or _tensor(m).pop("grid", None),
+    "chunks-v2-wrong-box": lambda m: _tensor(m).update(chunks=[{"offsets": [0, 0], "sizes": [4, 6], "rank": 0}])
+    or _tensor(m).pop("grid", None),
+    "index-missing": lambda m: m["files"][_first_file(m)].pop("index"),
+    "index-sha-wrong": lambda m: m["files"][_first_file(m)]["index"].update(sha256="0" * 64),
+    "index-sha-not-hex": lambda m: m["files"][_first_file(m)]["index"].update(sha256="zz"),
+    "index-size-lies": lambda m: m["files"][_first_file(m)]["index"].update(size=1 << 40),
+    "index-dotdot": lambda m: m["files"][_first_file(m)]["index"].update(name=f"../{OUTSIDE}"),
+    "index-is-manifest": lambda m: m["files"][_first_file(m)]["index"].update(name="manifest.json"),
+    "index-is-data": lambda m: m["files"][_first_file(m)]["index"].update(name=_first_file(m)),
+    "two-files-one-rank": lambda m: [f.update(rank=0) for f in m["files"].values()],
+    "file-rank-missing": lambda m: m["files"][_first_file(m)].pop("rank"),
+}
+
+
+def _resign(m: dict[str, Any], path: Path, name: str, data: bytes) -> None:
+    """Write index ``name`` with ``data`` and record its true digest, so the damage
+    is inside a trusted-looking index."""
+    import hashlib
+
+    (path / name).write_bytes(data)
+    for f in m["files"].values():
+        if f["index"]["name"] == name:
+            f["index"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+# index objects whose digest matches (a writer that lies): every field is still checked
+INDEX_CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "not-json": lambda ix: b"\x80 not json",
+    "deep-json": lambda ix: b"[" * 100_000 + b"]" * 100_000,
+    "other-file": lambda ix: ix.update(file="r00009-x.safetensors"),
+    "chunks-a-list": lambda ix: ix.update(chunks=[]),
+    "entry-short": lambda ix: [ix["chunks"].update({k: [0, 4]}) for k in list(ix["chunks"])[:1]],
+    "entry-past-end": lambda ix: [ix["chunks"].update({k: [1 << 40, 4, [0]]}) for k in list(ix["chunks"])[:1]],
+    "entry-negative": lambda ix: [ix["chunks"].update({k: [-8, 4, [0]]}) for k in list(ix["chunks"])[:1]],
+    "entry-crc-count": lambda ix: [v.__setitem__(2, [1, 2, 3]) for v in list(ix["chunks"].values())[:1]],
+    "entry-crc-huge": lambda ix: [v.__setitem__(2, [1 << 40]) for v in list(ix["chunks"].values())[:1]],
+    "entry-length-lies": lambda ix: [v.__setitem__(1, v[1] - 4) for v in list(ix["chunks"].values())[:1]],
+    "entry-missing": lambda ix: [ix["chunks"].pop(k) for k in list(ix["chunks"])[:1]],
+    "entry-moved": lambda ix: [v.__setitem__(0, v[0] - 4) for v in list(ix["chunks"].values())[:1]],
+}
+
+
+@pytest.mark.parametrize("case", sorted(V2_CASES))
+def test_hostile_v2_manifest(case: str, hostile: Path, sandbox: Sandbox) -> None:
+    """A version 2 manifest whose layout fields or index records are damaged: a
+    ShardpointError (CorruptCheckpointError) from every call, never another exception."""
+    m = manifest(hostile)
+    before = json.dumps(m)
+    V2_CASES[case](m)
+    assert json.dumps(m) != before, "the case changed nothing"
+    (hostile / "manifest.json").write_text(json.dumps(m))
+    results = sandbox.run(str(hostile))
+    check_outcomes(results, damaged=True)
+    for call in ("load", "load_full"):
+        assert not results[call]["ok"], f"{call} accepted a damaged manifest ({case})"
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_hostile_index_object(case: str, hostile: Path, sandbox: Sandbox) -> None:
+    """An index object damaged, its digest in the manifest updated to match: every
+    field of the index is still checked before use."""
+    m = manifest(hostile)
+    name = _index_of(m)
+    ix = json.loads((hostile / name).read_text())
+    raw = INDEX_CASES[case](ix)
+    data = raw if isinstance(raw, bytes) else json.dumps(ix).encode()
+    _resign(m, hostile, name, data)
+    (hostile / "manifest.json").write_text(json.dumps(m))
+    results = sandbox.run(str(hostile))
+    check_outcomes(results, damaged=True)
+    assert not results["load_full"]["ok"], f"load_full accepted a damaged index ({case})"
+
+
+def test_index_bytes_changed_under_the_manifest(hostile: Path, sandbox: Sandbox) -> None:
+    """An index whose bytes differ from the digest the manifest committed is refused
+    before it is parsed."""
+    m = manifest(hostile)
+    p = hostile / _index_of(m)
+    p.write_bytes(p.read_bytes().replace(b'"format"', b'"Format"'))
+    results = sandbox.run(str(hostile))
+    check_outcomes(results, damaged=True)
+    assert not results["load_full"]["ok"] and "SHA-256" in results["load_full"]["message"]
 
 
 def test_fifo_inside_checkpoint(hostile: Path, sandbox: Sandbox) -> None:

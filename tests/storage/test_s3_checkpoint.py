@@ -78,7 +78,7 @@ def test_save_on_2_ranks_load_resharded_on_3(s3_endpoint: S3Server, s3_bucket: s
     run_ranks(_save_ranks, 2, url, opts, env=ENV, timeout=240)
 
     keys = s3_endpoint.keys(s3_bucket)
-    assert "run/ckpt/manifest.json" in keys and len(keys) == 3  # the manifest and one data file per rank
+    assert "run/ckpt/manifest.json" in keys and len(keys) == 5  # the manifest; a data file and its index per rank
     assert s3_endpoint.open_uploads(s3_bucket) == []
     etags = [
         s3_endpoint.client().head_object(Bucket=s3_bucket, Key=k)["ETag"]
@@ -134,7 +134,7 @@ def test_killed_save_is_invisible_and_retention_deletes(s3_endpoint: S3Server, s
 
     keys = s3_endpoint.keys(s3_bucket)
     step3 = [k for k in keys if k.startswith("run/step-00000003/")]
-    assert step3 and all(k.endswith(".safetensors") for k in step3)  # data went up, no manifest
+    assert step3 and all(k.endswith((".safetensors", ".index.json")) for k in step3)  # data went up, no manifest
     with pytest.raises(shardpoint.CheckpointNotFoundError):
         shardpoint.load_full(f"{root}/step-00000003", storage_options=opts)
     with pytest.raises(shardpoint.CheckpointNotFoundError):

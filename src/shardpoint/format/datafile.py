@@ -52,6 +52,17 @@ def dtype_from_name(name: str, key: str | None = None) -> torch.dtype:
     return dtype
 
 
+def itemsize_of(name: str) -> int:
+    """Bytes per element of the dtype a manifest names; raises ``ValueError`` if unknown."""
+    size = _ITEMSIZE.get(name)
+    if size is None:
+        size = _ITEMSIZE[name] = torch.empty(0, dtype=dtype_from_name(name)).element_size()
+    return size
+
+
+_ITEMSIZE: dict[str, int] = {}
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:

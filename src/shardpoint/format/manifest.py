@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import CorruptCheckpointError
-from ..storage.base import check_name
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.base import Storage, check_name
+from . import layouts
 from .datafile import DTYPES
 from .digest import is_sealed, seal, unseal
+from .index import check_record
 
 FORMAT_NAME = "shardpoint"
 #: Version 2: the manifest is sealed (format/digest.py).
@@ -119,6 +121,21 @@ class Manifest:
     version: int = FORMAT_VERSION
     #: Whether the bytes this was parsed from carried a seal that matched (False for version 1).
     sealed: bool = False
+    _by_rank: dict[int, str] | None = field(default=None, repr=False, compare=False)
+
+    def file_of_rank(self, rank: int) -> str | None:
+        """The data file the saving rank ``rank`` wrote (version 2), or None."""
+        m = self._by_rank
+        if m is None:
+            m = self._by_rank = {int(f["rank"]): name for name, f in self.files.items() if "rank" in f}
+        return m.get(rank)
+
+    def stored_files(self) -> list[str]:
+        """Every file the checkpoint consists of besides the manifest: data files and
+        (version 2) their indexes."""
+        out = list(self.files)
+        out += [f["index"]["name"] for f in self.files.values() if isinstance(f.get("index"), dict)]
+        return out
 
     def to_bytes(self) -> bytes:
         """The sealed manifest file's bytes."""
@@ -184,10 +201,19 @@ class Manifest:
         files = doc.get("files")
         if not isinstance(files, dict):
             raise bad("'files' is not an object")
+        ranks_seen: set[int] = set()
         for name, info in files.items():
             check_name(name)
             if not isinstance(info, dict) or not _is_count(info.get("size")):
                 raise bad(f"files[{name!r}] has no valid 'size'")
+            if version >= 2:
+                r = info.get("rank")
+                if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < ws or r in ranks_seen:
+                    raise bad(f"files[{name!r}]: 'rank' is not a rank of the saving job, or two files name one rank")
+                ranks_seen.add(r)
+                if not check_record(info.get("index")):
+                    raise bad(f"files[{name!r}]: 'index' must be {{'name', 'size', 'sha256'}}")
+                check_name(info["index"]["name"])
         created = doc.get("created", 0.0)
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise bad("'created' is not a number")
@@ -195,7 +221,7 @@ class Manifest:
             datetime.fromtimestamp(created, tz=timezone.utc)
         except (OverflowError, ValueError, OSError):
             raise bad(f"'created' ({created!r}) is not a time") from None
-        tree = _parse_tree(doc, files, block, bad, ws, depth=0)
+        tree = _parse_tree(doc, files, block, bad, ws, depth=0, version=version)
         return cls(
             world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
             files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
@@ -207,7 +233,8 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
 
 
-def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int, under: str | None = None) -> Tree:
+def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int, under: str | None = None,
+                version: int = FORMAT_VERSION) -> Tree:
     if not isinstance(doc, dict):
         raise bad("a tree is not an object")
     containers, entries = doc.get("containers"), doc.get("entries")
@@ -224,7 +251,7 @@ def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int
         if kind == "value":
             decode_value(e.get("value"), where=f"entry {key!r}")
         elif kind == "tensor":
-            _check_tensor(key, e, files, block, bad)
+            _check_tensor(key, e, files, block, bad, ws, version)
         elif kind == "per_rank" and depth == 0:
             ranks = e.get("ranks")
             if not isinstance(ranks, dict):
@@ -232,13 +259,13 @@ def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int
             for r, sub in ranks.items():
                 if not (r.isascii() and r.isdigit() and len(r) <= 9) or int(r) >= ws:
                     raise bad(f"entry {key!r}: rank {r!r} is not a rank of the saving job")
-                _parse_tree(sub, files, block, bad, ws, depth + 1, under=key)
+                _parse_tree(sub, files, block, bad, ws, depth + 1, under=key, version=version)
         else:
             raise bad(f"entry {key!r} has unknown kind {kind!r}")
     return Tree(containers=containers, entries=entries)
 
 
-def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any) -> None:
+def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any, ws: int, version: int) -> None:
     dtype, shape, chunks = e.get("dtype"), e.get("shape"), e.get("chunks")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
@@ -249,6 +276,11 @@ def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any) -> None:
     numel = math.prod(shape)
     if numel > _MAX_NUMEL:
         raise bad(f"entry {key!r}: shape {shape} is implausibly large")
+    if version >= 2:
+        why = layouts.check(e, shape, ws)
+        if why is not None:
+            raise bad(f"entry {key!r}: {why}")
+        return
     if not isinstance(chunks, list):
         raise bad(f"entry {key!r}: 'chunks' is not a list")
     covered = 0
@@ -300,3 +332,23 @@ def _check_keys(containers: dict, entries: dict, bad: Any, under: str | None) ->
             if containers.get(parent) in ("list", "tuple") and (i < len(segs)) and not (
                     segs[i].isascii() and segs[i].isdigit()):
                 raise bad(f"key {k!r}: a {containers[parent]} is indexed by {segs[i]!r}, not by an integer")
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at ``storage``, read and parsed: the one place that
+    does, so every caller sees the same errors. Raises
+    :class:`CheckpointNotFoundError` when there is none and
+    :class:`CorruptCheckpointError` when it cannot be trusted."""
+    where = f"{storage.url}/{MANIFEST_NAME}"
+    try:
+        if not storage.exists(MANIFEST_NAME):
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {storage.url}: it has no {MANIFEST_NAME}, so no save ever committed there "
+                "(a save that failed or was killed leaves no manifest); check the path"
+            )
+        data = bytes(storage.read(MANIFEST_NAME))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {MANIFEST_NAME} disappeared while reading it") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{where} cannot be read ({e}); check the path and its permissions") from None
+    return Manifest.parse(data, where=where)

@@ -1,0 +1,409 @@
+"""Rank 0's side of a save: merge what every rank holds into one plan, give each
+rank only its own assignment, check replicas, build the manifest.
+
+No I/O and no torch.distributed: the messages are JSON-shaped dicts, so the scale
+benchmark drives a :class:`Coordinator` for thousands of simulated ranks in one
+process. The plan of the previous save of a process group is cached: a save whose
+layout digests all equal the previous ones reuses it, and a rank that already holds
+its assignment is sent none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .errors import ShardpointError
+from .format import layouts
+from .format.datafile import CRC_BLOCK, itemsize_of
+from .format.manifest import Manifest, Tree
+from .plan import ChunkTable, PlanError, plan_save
+
+#: The parts of a rank's description that make its layout (the rest are values).
+_LAYOUT_KEYS = ("containers", "tensors", "chunks")
+
+
+def layout_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """The layout part of a rank's description: structure, tensor shapes and dtypes,
+    chunk boxes (top level and per-rank values). Values are left out: a step counter
+    changes every save, the layout does not."""
+    out = {k: meta[k] for k in _LAYOUT_KEYS}
+    out["per_rank"] = {p: {k: d[k] for k in _LAYOUT_KEYS} for p, d in meta["per_rank"].items()}
+    return out
+
+
+def values_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """The plain values of a rank's description (top level and per-rank)."""
+    return {"values": meta["values"], "per_rank": {p: d["values"] for p, d in meta["per_rank"].items()}}
+
+
+def layout_digest(layout: Any) -> str:
+    """A digest that is equal exactly when two layouts (or structures) are."""
+    return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
+
+
+def layout_message(layout: dict[str, Any], reference: str | None) -> tuple[str, dict[str, Any]]:
+    """Split a rank's layout into its structure (containers, tensor dtypes and global
+    shapes, the order of its chunk keys, per-rank values: the same on most ranks) and
+    its boxes (where its chunks lie: its own). Returns the layout's digest and the
+    message that carries it, which leaves the structure out when its digest equals
+    ``reference`` (rank 0's, which the coordinator holds)."""
+    structure = {"containers": layout["containers"], "tensors": layout["tensors"], "keys": layout["chunks"]["key"],
+                 "per_rank": layout["per_rank"]}
+    boxes = {"off": layout["chunks"]["off"], "size": layout["chunks"]["size"]}
+    sd = layout_digest(structure)
+    digest = layout_digest({"structure": sd, "boxes": boxes})
+    return digest, {"s": None if sd == reference else structure, "sd": sd, "b": boxes}
+
+
+def _full_layout(structure: dict[str, Any], boxes: dict[str, Any]) -> dict[str, Any]:
+    return {"containers": structure["containers"], "tensors": structure["tensors"], "per_rank": structure["per_rank"],
+            "chunks": {"key": structure["keys"], "off": boxes["off"], "size": boxes["size"]}}
+
+
+@dataclass(slots=True)
+class Plan:
+    """Who writes which bytes, for every rank: the chunk table of all ranks' rows
+    (rank by rank, in each rank's own order) and, per row, whether it writes and
+    whether it is a replica whose checksums are compared."""
+
+    keys: list[str]
+    info: dict[str, dict[str, Any]]  # tensor key -> dtype/shape/numpy
+    containers: dict[str, str]
+    per_rank: list[dict[str, Any]]  # per rank: per-rank key -> its layout
+    row_start: np.ndarray  # (world + 1,) first global row of each rank
+    table: ChunkTable
+    group: np.ndarray
+    writer: np.ndarray  # bool: this row's bytes go to this rank's file (never an empty box)
+    check: np.ndarray  # bool: this row is a replica (non-empty): its checksums are compared
+
+
+def merge_structure(layouts_: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Every tensor's dtype and global shape, and every container's type, checked to
+    agree between ranks. Raises naming the key and ranks."""
+    info: dict[str, dict[str, Any]] = {}
+    first_holder: dict[str, int] = {}
+    containers: dict[str, str] = {}
+    seen: list[dict[str, Any]] = []  # distinct per-rank tensor descriptions already merged
+    for r, m in enumerate(layouts_):
+        if m["containers"] != containers:
+            for k, t in m["containers"].items():
+                if containers.setdefault(k, t) != t:
+                    raise ShardpointError(
+                        f"key {k!r} is a {containers[k]} on some ranks and a {t} on rank {r}; the state's structure "
+                        "must agree between ranks")
+        tensors = m["tensors"]
+        if any(tensors is d or tensors == d for d in seen[-2:]):  # the common case: the same as a rank before
+            continue
+        seen.append(tensors)
+        for k, t in tensors.items():
+            prev = info.setdefault(k, t)
+            first_holder.setdefault(k, r)
+            if prev is not t and (prev["dtype"] != t["dtype"] or prev["shape"] != t["shape"]):
+                raise ShardpointError(
+                    f"key {k!r} is a {prev['dtype']} tensor of global shape {prev['shape']} on rank {first_holder[k]} "
+                    f"but a {t['dtype']} of shape {t['shape']} on rank {r}; every rank must describe the same global tensor"
+                )
+    return info, containers
+
+
+def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str, dict[str, Any]]) -> tuple[ChunkTable, np.ndarray]:
+    """All ranks' chunk rows as arrays (vectorised: ranks that list the same keys in
+    the same order are looked up once). Returns the table and each rank's first row."""
+    kid = {k: i for i, k in enumerate(keys)}
+    nds = np.array([len(info[k]["shape"]) for k in keys], dtype=np.int64)
+    ndim = int(max(nds.max(initial=0), 1))
+    itemsizes = np.array([itemsize_of(info[k]["dtype"]) for k in keys], dtype=np.int64)
+    counts = np.array([len(m["chunks"]["key"]) for m in layouts_], dtype=np.int64)
+    row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    n = int(row_start[-1])
+    ids: list[np.ndarray] = []
+    prev_keys: list[str] | None = None
+    cur = np.zeros(0, dtype=np.int64)
+    for m in layouts_:
+        ks = m["chunks"]["key"]
+        if ks is not prev_keys and ks != prev_keys:
+            cur = np.fromiter((kid[k] for k in ks), dtype=np.int64, count=len(ks))
+            prev_keys = ks
+        ids.append(cur)
+    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    lens = nds[key_col]
+    total = int(lens.sum())
+    rows = np.repeat(np.arange(n), lens)
+    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    offsets = np.zeros((n, ndim), dtype=np.int64)
+    sizes = np.ones((n, ndim), dtype=np.int64)
+    for name, out in (("off", offsets), ("size", sizes)):
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(m["chunks"][name] for m in layouts_)), dtype=np.int64)
+        if flat.size != total:
+            bad = next(r for r, m in enumerate(layouts_) if any(
+                len(o) != len(info[k]["shape"]) for k, o in zip(m["chunks"]["key"], m["chunks"][name])))
+            raise ShardpointError(
+                f"rank {bad} described chunks whose number of dimensions differs from their tensor's shape; "
+                "this is a bug in the layout of that rank's state (report it with the state's types)")
+        out[rows, cols] = flat
+    table = ChunkTable(key=key_col, rank=np.repeat(np.arange(len(layouts_), dtype=np.int64), counts),
+                       offsets=offsets, sizes=sizes, itemsize=itemsizes[key_col] if n else np.zeros(0, dtype=np.int64))
+    return table, row_start
+
+
+def make_plan(layouts_: list[dict[str, Any]]) -> Plan:
+    """Plan a save from every rank's layout (or full description): structure
+    agreement, then the chunk table, then writers (:func:`plan_save`)."""
+    info, containers = merge_structure(layouts_)
+    keys = sorted(info)
+    table, row_start = chunk_table(layouts_, keys, info)
+    shapes = np.ones((len(keys), table.offsets.shape[1]), dtype=np.int64)
+    for i, k in enumerate(keys):
+        shp = info[k]["shape"]
+        shapes[i, : len(shp)] = shp
+    try:
+        sp = plan_save(table, shapes, len(layouts_))
+    except PlanError as e:
+        detail = "; ".join(f"key {keys[k]!r}: {why}" for k, why in sorted(e.problems.items()))
+        raise ShardpointError(f"the ranks' pieces do not form valid tensors: {detail}") from None
+    nonempty = np.all(table.sizes > 0, axis=1)
+    return Plan(keys, info, containers, [m["per_rank"] for m in layouts_], row_start, table, sp.group,
+                sp.writer & nonempty, sp.replicated & nonempty)
+
+
+def merge_values(plan: Plan, values: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicated plain values, checked to agree between the ranks that hold them."""
+    merged: dict[str, Any] = {}
+    holders: dict[str, dict[str, list[int]]] = {}
+    for r, v in enumerate(values):
+        for k, x in v["values"].items():
+            holders.setdefault(k, {}).setdefault(repr(x), []).append(r)
+            merged.setdefault(k, x)
+    both = set(plan.info) & set(merged)
+    if both:
+        k = sorted(both)[0]
+        raise ShardpointError(
+            f"key {k!r} is a tensor on some ranks and a plain value on rank {holders[k][repr(merged[k])][0]}; "
+            "every rank must hold the same kind of leaf at a key")
+    for k, by_value in holders.items():
+        if len(by_value) > 1:
+            groups = sorted(by_value.values())
+            raise ShardpointError(
+                f"key {k!r} differs between ranks ({'; '.join('ranks ' + str(g) for g in groups)} hold different values) "
+                "but is saved as replicated; wrap per-rank values in shardpoint.PerRank(...), or make them agree"
+            )
+    return merged
+
+
+def _ranges(mask: np.ndarray) -> list[list[int]]:
+    """``[[start, stop], ...]`` of the runs of True in ``mask``."""
+    if not mask.any():
+        return []
+    d = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return np.stack([np.nonzero(d == 1)[0], np.nonzero(d == -1)[0]], axis=1).tolist()
+
+
+def assignment(plan: Plan, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` does with its own chunk rows: ``write`` (its bytes go to its
+    file) and ``check`` (report its checksums: a replica), as row ranges."""
+    a, b = int(plan.row_start[rank]), int(plan.row_start[rank + 1])
+    return {"write": _ranges(plan.writer[a:b]), "check": _ranges(plan.check[a:b])}
+
+
+def replica_digest(crcs: list[int]) -> int:
+    """One 63-bit number for a chunk's block checksums: equal replicas give equal
+    numbers (what a rank reports for each replica row it checks)."""
+    data = b"".join(int(c).to_bytes(4, "little") for c in crcs)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def check_replicas(plan: Plan, statuses: list[dict[str, Any]]) -> None:
+    """Raise naming key and ranks when replicated bytes differ between ranks.
+    Each status lists ``replicas``: ``[rows, digests]`` (rows in the rank's own
+    order, :func:`replica_digest` of each); compared group by group in arrays."""
+    groups, digests, ranks = [], [], []
+    for r, st in enumerate(statuses):
+        rows, ds = st["replicas"]
+        if rows:
+            groups.append(plan.group[int(plan.row_start[r]) + np.asarray(rows, dtype=np.int64)])
+            digests.append(np.asarray(ds, dtype=np.int64))
+            ranks.append(np.full(len(rows), r, dtype=np.int64))
+    if not groups:
+        return
+    g_all, d_all, rk = np.concatenate(groups), np.concatenate(digests), np.concatenate(ranks)
+    order = np.lexsort((d_all, g_all))
+    g, d = g_all[order], d_all[order]
+    bad = np.nonzero((g[1:] == g[:-1]) & (d[1:] != d[:-1]))[0]
+    if not bad.size:
+        return
+    first = g[bad[0]]
+    by: dict[int, list[int]] = {}
+    for i in np.nonzero(g_all == first)[0]:
+        by.setdefault(int(d_all[i]), []).append(int(rk[i]))
+    row = int(np.nonzero(plan.group == first)[0][0])
+    key = plan.keys[int(plan.table.key[row])]
+    holders = "; ".join(f"ranks {sorted(v)}" for v in sorted(by.values()))
+    raise ShardpointError(
+        f"key {key!r} is replicated but its bytes differ between ranks ({holders} hold different data). "
+        "Replicas that disagree mean the training state has diverged; if the value is meant to differ "
+        "per rank, wrap it in shardpoint.PerRank(...)"
+    )
+
+
+def _tree(containers: dict[str, str], values: dict[str, Any], info: dict[str, dict[str, Any]],
+          placed: dict[str, dict[str, Any]]) -> Tree:
+    """One (sub)tree of the manifest: containers, values, tensors with their layout
+    (the same for the top level and for each rank's per-rank value)."""
+    tree = Tree(containers=dict(sorted(containers.items())))
+    for k, v in sorted(values.items()):
+        tree.entries[k] = {"kind": "value", "value": v}
+    for k in sorted(info):
+        t = info[k]
+        e: dict[str, Any] = {"kind": "tensor", "dtype": t["dtype"], "shape": t["shape"]}
+        if t.get("numpy"):
+            e["numpy"] = True
+        e.update(placed[k])
+        tree.entries[k] = e
+    return tree
+
+
+def _per_rank_placed(d: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
+    c = d["chunks"]
+    by_key: dict[str, list[int]] = {}
+    for i, size in enumerate(c["size"]):
+        if all(s > 0 for s in size):
+            by_key.setdefault(c["key"][i], []).append(i)
+    out = {}
+    for k, t in d["tensors"].items():
+        rows = by_key.get(k, [])
+        nd = len(t["shape"])
+        offs = np.array([c["off"][i] for i in rows], dtype=np.int64).reshape(len(rows), nd)
+        sizes = np.array([c["size"][i] for i in rows], dtype=np.int64).reshape(len(rows), nd)
+        out[k] = layouts.encode(tuple(t["shape"]), offs, sizes, np.full(len(rows), rank, dtype=np.int64))
+    return out
+
+
+def build_manifest(plan: Plan, values: list[dict[str, Any]], statuses: list[dict[str, Any]], save_id: str) -> Manifest:
+    """The manifest from the plan, the ranks' values and where each rank's file is:
+    each tensor described by its layout (:mod:`shardpoint.format.layouts`)."""
+    t = plan.table
+    w = np.nonzero(plan.writer)[0]
+    w = w[np.argsort(t.key[w], kind="stable")]
+    keys_w = t.key[w]
+    bounds = np.searchsorted(keys_w, np.arange(len(plan.keys) + 1))
+    placed = {}
+    for i, k in enumerate(plan.keys):
+        rows = w[bounds[i] : bounds[i + 1]]
+        placed[k] = layouts.encode(tuple(plan.info[k]["shape"]), t.offsets[rows], t.sizes[rows], t.rank[rows])
+    tree = _tree(plan.containers, merge_values(plan, values), plan.info, placed)
+    for pkey in sorted({k for pr in plan.per_rank for k in pr}):
+        ranks: dict[str, Any] = {}
+        for r, pr in enumerate(plan.per_rank):
+            d = pr.get(pkey)
+            if d is not None:
+                sub = _tree(d["containers"], values[r]["per_rank"].get(pkey, {}), d["tensors"], _per_rank_placed(d, r))
+                ranks[str(r)] = sub.to_json()
+        tree.entries[pkey] = {"kind": "per_rank", "ranks": ranks}
+    files = {st["file"]: {"size": st["size"], "rank": r, "index": st["index"]}
+             for r, st in enumerate(statuses) if st["file"]}
+    return Manifest(world_size=len(statuses), created=time.time(), save_id=save_id, tree=tree, files=files,
+                    crc_block=CRC_BLOCK, library_version=__version__)
+
+
+@dataclass(slots=True)
+class _Cached:
+    combined: str
+    digests: list[str]
+    layouts: list[dict[str, Any]]
+    structures: dict[str, dict[str, Any]]
+    plan: Plan
+
+
+#: The last plan of each process group (by the Comm's tag), kept on the coordinator.
+_cache: dict[str, _Cached] = {}
+
+
+def _combined(digests: list[str]) -> str:
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class Coordinator:
+    """Rank 0's state during one save of a process group."""
+
+    tag: str
+    world: int
+    layouts: list[dict[str, Any] | None] = field(default_factory=list)
+    digests: list[str | None] = field(default_factory=list)
+    values: list[dict[str, Any]] = field(default_factory=list)
+    structures: dict[str, dict[str, Any]] = field(default_factory=dict)  # structure digest -> structure
+    plan: Plan | None = None
+    save_id: str = ""
+    reused: bool = False  # whether the plan came from the cache
+
+    def __post_init__(self) -> None:
+        self.layouts = [None] * self.world
+        self.digests = [None] * self.world
+
+    def plan_round(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Take the ranks' messages (``digest``; ``layout``: None or a
+        :func:`layout_message`; ``plan``: the id of the plan the rank holds an
+        assignment of; ``values``) and answer each rank with its assignment (None
+        when it holds it already), or with ``resend`` when some layouts or
+        structures are not known here (then every rank sends its whole layout)."""
+        cached = _cache.get(self.tag)
+        if cached is not None and len(cached.digests) != self.world:
+            cached = None
+        if cached is not None:
+            self.structures.update(cached.structures)
+        for m in msgs:
+            lay = m.get("layout")
+            if lay is not None and lay["s"] is not None:
+                self.structures[lay["sd"]] = lay["s"]
+        missing = []
+        for r, m in enumerate(msgs):
+            if "values" in m:
+                if len(self.values) < self.world:
+                    self.values.append(m["values"])
+                self.digests[r] = m["digest"]
+            lay = m.get("layout")
+            if lay is not None and lay["sd"] in self.structures:
+                self.layouts[r] = _full_layout(self.structures[lay["sd"]], lay["b"])
+            elif self.layouts[r] is None:
+                if lay is None and cached is not None and cached.digests[r] == self.digests[r]:
+                    self.layouts[r] = cached.layouts[r]
+                else:
+                    missing.append(r)
+        if missing:
+            gone = set(missing)
+            return [{"resend": r in gone} for r in range(self.world)]
+        digests = [d for d in self.digests if d is not None]
+        combined = _combined(digests)
+        if cached is not None and cached.combined == combined:
+            self.plan, self.reused = cached.plan, True
+        else:
+            self.plan = make_plan(self.layouts)  # type: ignore[arg-type]
+            _cache[self.tag] = _Cached(combined, digests, self.layouts, self.structures, self.plan)  # type: ignore[arg-type]
+        merge_values(self.plan, self.values)  # disagreeing values fail before anything is written
+        self.save_id = uuid.uuid4().hex[:12]
+        return [{"save_id": self.save_id, "plan_id": combined,
+                 "assign": None if m.get("plan") == combined else assignment(self.plan, r)}
+                for r, m in enumerate(msgs)]
+
+    def manifest(self, statuses: list[dict[str, Any]]) -> Manifest:
+        """Check replicas and build the manifest from the ranks' write statuses."""
+        assert self.plan is not None
+        check_replicas(self.plan, statuses)
+        return build_manifest(self.plan, self.values, statuses, self.save_id)
+
+
+def forget(tag: str | None = None) -> None:
+    """Drop the cached plan of one process group (all when None)."""
+    if tag is None:
+        _cache.clear()
+    else:
+        _cache.pop(tag, None)

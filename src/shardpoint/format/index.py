@@ -1,0 +1,102 @@
+"""Per-data-file CRC indexes (format version 2).
+
+Each data file ``rNNNNN-<save_id>.safetensors`` has an index object beside it,
+``rNNNNN-<save_id>.index.json``, that says where each chunk lies in the file and
+lists its CRC-32 per block. The manifest records each index's size and SHA-256, so
+a loader reads only the indexes of the files it needs and trusts none whose bytes
+differ from what the manifest committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from .datafile import WrittenChunk
+
+INDEX_FORMAT = "shardpoint-index"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def index_name(data_file: str) -> str:
+    """The index object of ``data_file``: ``r00003-abc.safetensors`` -> ``r00003-abc.index.json``."""
+    return data_file.removesuffix(".safetensors") + ".index.json"
+
+
+def chunk_name(key: str, offsets: Any, per_rank: bool = False) -> str:
+    """The name of a chunk in its data file and index: ``key@o0,o1`` (the offsets
+    after the last ``@`` name the box). A per-rank value's chunks are prefixed with
+    ``/per_rank/``: no key starts with ``/``, so the names cannot collide."""
+    name = f"{key}@{','.join(map(str, offsets))}"
+    return f"/per_rank/{name}" if per_rank else name
+
+
+def index_bytes(data_file: str, chunks: list[tuple[str, WrittenChunk]]) -> bytes:
+    """Serialise the index of ``data_file``: ``{"format", "file", "chunks": {name: [offset, length, [crc32...]]}}``."""
+    doc = {"format": INDEX_FORMAT, "file": data_file,
+           "chunks": {name: [w.offset, w.length, w.crc32] for name, w in chunks}}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def digest(data: bytes) -> str:
+    """SHA-256 of ``data`` as lowercase hex (what the manifest records for an index)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where one chunk's bytes lie: byte offset in its file, length, block CRCs."""
+
+    offset: int
+    length: int
+    crc32: list[int]
+
+
+def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_size: int, block: int,
+                where: str) -> dict[str, Located]:
+    """Check an index's bytes against the manifest's record (size and SHA-256) before
+    parsing anything, then every entry: offsets inside the data file, one CRC per
+    block. Raises :class:`CorruptCheckpointError` naming ``where``."""
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{where}: {msg}; the checkpoint is damaged. Restore the file from a copy, or load another checkpoint"
+        )
+
+    data = bytes(data)
+    if len(data) != expect["size"] or digest(data) != expect["sha256"]:
+        raise bad(f"its SHA-256 or size ({len(data)} bytes) differs from what the manifest committed")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or doc.get("file") != data_file:
+        raise bad(f"not the index of {data_file}")
+    chunks = doc.get("chunks")
+    if not isinstance(chunks, dict):
+        raise bad("'chunks' is not an object")
+    out: dict[str, Located] = {}
+    for name, e in chunks.items():
+        if not (isinstance(e, list) and len(e) == 3 and _is_count(e[0]) and _is_count(e[1]) and isinstance(e[2], list)):
+            raise bad(f"chunk {name!r} is not [offset, length, [crc32...]]")
+        off, length, crcs = e
+        if off + length > file_size:
+            raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
+        if len(crcs) != max(1, -(-length // block)) or not all(_is_count(c) and c < 1 << 32 for c in crcs):
+            raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
+        out[name] = Located(off, length, crcs)
+    return out
+
+
+def check_record(rec: Any) -> bool:
+    """Whether a manifest's record of an index (``{"name", "size", "sha256"}``) is well formed."""
+    return (isinstance(rec, dict) and isinstance(rec.get("name"), str) and _is_count(rec.get("size"))
+            and isinstance(rec.get("sha256"), str) and bool(_SHA256.match(rec["sha256"])))
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62

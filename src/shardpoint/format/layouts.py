@@ -1,0 +1,223 @@
+"""Compact descriptions of how a tensor's chunks were saved (format version 2).
+
+A tensor entry of a version 2 manifest carries one of:
+
+* ``"grid"``: the chunks are the cells of a grid (DTensor ``Shard``/``Replicate`` on
+  1-D and 2-D meshes, uneven last shards included). ``cuts`` has one item per
+  dimension, either a piece size ``c`` (cuts at ``0, c, 2c, ...`` and the dimension's
+  size) or the explicit list of cut points; ``ranks`` names the rank whose data file
+  holds each cell, in row-major cell order, as a list or as ``{"first": a, "step": b}``
+  (cell ``i`` in rank ``a + i * b``).
+* ``"flat"``: ranges ``[start, stop, rank]`` of the tensor's row-major flattening
+  (ZeRO-style flat partitions); each range is the boxes
+  :func:`~shardpoint.plan.boxes.flat_range_boxes` makes of it.
+* ``"chunks"``: any other layout, one ``{"offsets", "sizes", "rank"}`` per chunk.
+
+Its size depends on the layout, not on the world size: a tensor sharded over 8,192
+ranks is a few dozen bytes. Where each chunk's bytes lie is in the data file's index
+(:mod:`shardpoint.format.index`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..plan.boxes import flat_range_boxes
+
+#: Most chunks one tensor entry may describe (a damaged manifest cannot ask for more).
+MAX_CELLS = 1 << 22
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
+
+
+def _cuts_of(spec: Any, n: int) -> list[int] | None:
+    """The cut points of one dimension of size ``n`` (None if ``spec`` is malformed)."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1 or n < 1 or -(-n // spec) > MAX_CELLS:
+            return None
+        return list(range(0, n, spec)) + [n]
+    if isinstance(spec, list) and 2 <= len(spec) <= MAX_CELLS + 1 and all(
+            isinstance(c, int) and not isinstance(c, bool) for c in spec):
+        if spec[0] != 0 or spec[-1] != n or any(b <= a for a, b in zip(spec, spec[1:])):
+            return None
+        return spec
+    return None
+
+
+def check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | None:
+    """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
+    pieces tile ``shape`` exactly and every rank is one of the saving job's."""
+    numel = math.prod(shape)
+    forms = [f for f in ("grid", "flat", "chunks") if f in entry]
+    if len(forms) != 1:
+        return "must have exactly one of 'grid', 'flat', 'chunks'"
+
+    def is_rank(r: Any) -> bool:
+        return isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size
+
+    if "grid" in entry:
+        g = entry["grid"]
+        if not isinstance(g, dict) or not isinstance(g.get("cuts"), list) or len(g["cuts"]) != len(shape):
+            return "'grid' must be {'cuts': [one per dimension], 'ranks': ...}"
+        if numel == 0:
+            return "a tensor with no elements has no grid"
+        cells = 1
+        for spec, n in zip(g["cuts"], shape):
+            cuts = _cuts_of(spec, n)
+            if cuts is None:
+                return f"grid cuts {str(spec)[:60]} do not split a dimension of size {n}"
+            cells *= len(cuts) - 1
+            if cells > MAX_CELLS:
+                return "the grid has implausibly many cells"
+        ranks = g.get("ranks")
+        if isinstance(ranks, dict):
+            a, b = ranks.get("first"), ranks.get("step")
+            if set(ranks) != {"first", "step"} or not is_rank(a) or not isinstance(b, int) or isinstance(b, bool) \
+                    or not is_rank(a + b * (cells - 1)):
+                return "grid 'ranks' must be {'first': rank, 'step': int} naming ranks of the saving job"
+        elif not (isinstance(ranks, list) and len(ranks) == cells and all(is_rank(r) for r in ranks)):
+            return f"grid 'ranks' must list {cells} ranks of the saving job"
+        return None
+    if "flat" in entry:
+        f = entry["flat"]
+        if not isinstance(f, list) or not 1 <= len(f) <= MAX_CELLS:
+            return "'flat' must be a non-empty list of [start, stop, rank]"
+        pos = 0
+        for r in f:
+            if not (isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+                return "'flat' must be a list of [start, stop, rank]"
+            if r[0] != pos or r[1] <= r[0] or not is_rank(r[2]):
+                return "'flat' ranges must follow each other from 0 and name ranks of the saving job"
+            pos = r[1]
+        if pos != numel:
+            return f"'flat' ranges cover {pos} elements, the shape {shape} has {numel}"
+        return None
+    chunks = entry["chunks"]
+    if not isinstance(chunks, list) or len(chunks) > MAX_CELLS:
+        return "'chunks' is not a list"
+    covered = 0
+    for c in chunks:
+        if not isinstance(c, dict):
+            return "a chunk is not an object"
+        off, size = c.get("offsets"), c.get("sizes")
+        if not (isinstance(off, list) and isinstance(size, list) and len(off) == len(size) == len(shape)):
+            return "chunk offsets/sizes do not match the shape's rank"
+        if not all(isinstance(o, int) and isinstance(s, int) and not isinstance(o, bool) and not isinstance(s, bool)
+                   and 0 <= o and 0 < s and o + s <= d for o, s, d in zip(off, size, shape)):
+            return f"a chunk lies outside the shape {shape}"
+        if not is_rank(c.get("rank")):
+            return "a chunk's 'rank' is not a rank of the saving job"
+        covered += math.prod(size)
+    if covered != numel:
+        return f"chunks cover {covered} elements, the shape {shape} has {numel}"
+    return None
+
+
+def expand(entry: dict[str, Any], shape: tuple[int, ...]) -> list[Chunk]:
+    """Every chunk of a version 2 tensor entry (already :func:`check` ed), in order."""
+    if "chunks" in entry:
+        return [(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"]) for c in entry["chunks"]]
+    if "flat" in entry:
+        out: list[Chunk] = []
+        for start, stop, rank in entry["flat"]:
+            out += [(b.offsets, b.sizes, rank) for b in flat_range_boxes(shape, start, stop)]
+        return out
+    g = entry["grid"]
+    cuts = [_cuts_of(spec, n) for spec, n in zip(g["cuts"], shape)]
+    pieces = [list(zip(c[:-1], c[1:])) for c in cuts]  # type: ignore[arg-type]
+    ranks = g["ranks"]
+    cells = math.prod(len(p) for p in pieces)
+    rank_of = (lambda i: ranks["first"] + i * ranks["step"]) if isinstance(ranks, dict) else ranks.__getitem__
+    out = []
+    for i, idx in enumerate(np.ndindex(*[len(p) for p in pieces]) if shape else [()]):
+        sel = [pieces[d][j] for d, j in enumerate(idx)]
+        out.append((tuple(a for a, _ in sel), tuple(b - a for a, b in sel), int(rank_of(i))))
+    assert len(out) == cells
+    return out
+
+
+def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any]:
+    """The most compact description of a tensor's saved (non-empty) chunks: ``grid``
+    when they are the cells of a grid, ``flat`` when each is a row-major range,
+    else the chunk list. ``offsets``/``sizes`` are (m, ndim) arrays, ``ranks`` (m,)."""
+    m, nd = offsets.shape[0], len(shape)
+    if m == 0:
+        return {"chunks": []}
+    offsets, sizes = offsets[:, :nd], sizes[:, :nd]
+    grid = _grid(shape, offsets, sizes, ranks)
+    if grid is not None:
+        return {"grid": grid}
+    if nd > 1:
+        flat = _flat(shape, offsets, sizes, ranks)
+        if flat is not None:
+            return {"flat": flat}
+    order = np.lexsort(offsets.T[::-1]) if nd else np.arange(m)
+    return {"chunks": [{"offsets": offsets[i].tolist(), "sizes": sizes[i].tolist(), "rank": int(ranks[i])} for i in order]}
+
+
+def _grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any] | None:
+    m, nd = offsets.shape
+    cuts, specs, counts = [], [], []
+    for d in range(nd):
+        c = np.unique(np.concatenate([offsets[:, d], offsets[:, d] + sizes[:, d]]))
+        cuts.append(c)
+        counts.append(len(c) - 1)
+    if math.prod(counts) != m:
+        return None
+    if nd:
+        idx = [np.searchsorted(cuts[d], offsets[:, d]) for d in range(nd)]
+        # each box must be exactly one cell (the boxes tile the tensor, so m cells and m boxes
+        # means one cell each, but check: the end of each box is the next cut)
+        for d in range(nd):
+            if not np.array_equal(cuts[d][idx[d] + 1] - cuts[d][idx[d]], sizes[:, d]):
+                return None
+        cell = np.ravel_multi_index(idx, counts)
+    else:
+        cell = np.zeros(m, dtype=np.int64)
+    rank_of_cell = np.empty(m, dtype=np.int64)
+    rank_of_cell[cell] = ranks
+    for d in range(nd):
+        step = np.diff(cuts[d])
+        c0 = int(step[0])
+        if np.all(step[:-1] == c0) and step[-1] <= c0:
+            specs.append(c0)
+        else:
+            specs.append(cuts[d].tolist())
+    rs: Any
+    if m == 1:
+        rs = [int(rank_of_cell[0])]
+    else:
+        st = np.diff(rank_of_cell)
+        rs = {"first": int(rank_of_cell[0]), "step": int(st[0])} if np.all(st == st[0]) else rank_of_cell.tolist()
+    return {"cuts": specs, "ranks": rs}
+
+
+def _flat(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> list[list[int]] | None:
+    """Ranges of the flattening, when every rank's boxes are what ``flat_range_boxes``
+    makes of one range (a ZeRO partition)."""
+    strides = np.array([math.prod(shape[d + 1:]) for d in range(len(shape))], dtype=np.int64)
+    start = offsets @ strides
+    numel = np.prod(sizes, axis=1)
+    order = np.argsort(start, kind="stable")
+    start, numel, r = start[order], numel[order], ranks[order]
+    if start[0] != 0 or np.any(start[1:] != start[:-1] + numel[:-1]):
+        return None
+    # runs of one rank
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = r[1:] != r[:-1]
+    firsts = np.nonzero(new)[0]
+    out = []
+    for a, b in zip(firsts, list(firsts[1:]) + [len(start)]):
+        lo, hi = int(start[a]), int(start[b - 1] + numel[b - 1])
+        boxes = flat_range_boxes(shape, lo, hi)
+        if len(boxes) != b - a:
+            return None
+        for k, box in zip(range(a, b), boxes):
+            i = order[k]
+            if tuple(offsets[i].tolist()) != box.offsets or tuple(sizes[i].tolist()) != box.sizes:
+                return None
+        out.append([lo, hi, int(r[a])])
+    return out

@@ -1,0 +1,76 @@
+"""Save coordination stays flat in the world size: counted at the Comm layer
+(``shardpoint.collective.traffic``: bytes that arrive in this process through the
+checkpoint group's collectives), with real gloo ranks.
+
+A non-coordinator rank sends its description to rank 0 and receives only its own
+assignment and the outcome, so what it receives does not grow with the world; a
+second save of the same layout reuses the cached plan and receives a few hundred
+bytes; the manifest describes each sharded tensor by its layout, not per rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+
+KEYS = 2000
+ROWS = 3  # rows of each tensor per rank: tiny tensors, so the test measures coordination, not I/O
+
+
+def _state(rank: int, world: int, fill: float, rows: int = ROWS) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for i in range(KEYS):
+        local = torch.full((rows, 2), fill + i, dtype=torch.float32)
+        out[f"layer{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                  shape=torch.Size((rows * world, 2)), stride=(2, 1))
+    out["step"] = int(fill)
+    return out
+
+
+def _save_three_times(rank: int, world: int, root: str) -> dict:
+    import shardpoint
+    from shardpoint.collective import traffic
+
+    path = Path(root) / f"w{world}"
+    got = {}
+    traffic.reset()
+    shardpoint.save(_state(rank, world, 1.0), path)
+    got["first"] = traffic.received
+    traffic.reset()
+    shardpoint.save(_state(rank, world, 2.0), path, overwrite=True)  # same layout, new values
+    got["second"] = traffic.received
+    got["manifest"] = (path / "manifest.json").stat().st_size
+    back = shardpoint.load_full(path, keys=["layer0", "layer1999", "step"])
+    assert back["step"] == 2
+    assert torch.equal(back["layer1999"], torch.full((ROWS * world, 2), 2.0 + 1999))
+    # a changed layout (one more row per rank) is planned afresh, never served the cached plan
+    traffic.reset()
+    shardpoint.save(_state(rank, world, 3.0, rows=ROWS + 1), path, overwrite=True)
+    got["changed"] = traffic.received
+    back = shardpoint.load_full(path, keys=["layer7"])
+    assert torch.equal(back["layer7"], torch.full(((ROWS + 1) * world, 2), 3.0 + 7))
+    return got
+
+
+@pytest.mark.timeout(900)
+def test_save_coordination_is_flat_from_2_to_8_ranks(tmp_path: Path) -> None:
+    small = run_ranks(_save_three_times, 2, str(tmp_path), timeout=600)
+    large = run_ranks(_save_three_times, 8, str(tmp_path), timeout=900)
+    for w, res in ((2, small), (8, large)):
+        for r, got in enumerate(res[1:], start=1):
+            assert got["second"] <= 64 << 10, f"world {w}, rank {r}: a second save of the same layout received {got}"
+        # the coordinator receives every layout again when it changes (the loads above show the bytes are right)
+        assert res[0]["changed"] > 10 * res[0]["second"], f"world {w}: a changed layout was not sent again: {res[0]}"
+    worst = lambda res: max(g["first"] for g in res[1:])  # noqa: E731 - non-coordinator ranks only
+    assert worst(large) <= 1.5 * worst(small), (
+        f"a non-coordinator rank received {worst(small)} bytes at 2 ranks but {worst(large)} at 8")
+    assert large[0]["manifest"] <= 1.5 * small[0]["manifest"], (
+        f"the manifest is {small[0]['manifest']} bytes at 2 ranks but {large[0]['manifest']} at 8")
