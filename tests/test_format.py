@@ -542,3 +542,51 @@ def test_v1_fixture_loads_in_place_into_another_layout(tmp_path: Path) -> None:
     assert "optim/state/0/step" in report.skipped and report.created == [] and report.missing == []
     # no stray files
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(p.name for p in V1.iterdir())
+
+
+# --- version 2 layouts: what the coordinator encodes, a reader expands to the same chunks ---
+
+def _encode_expand(shape: tuple, boxes: list, ranks: list) -> tuple[dict, list]:
+    from shardpoint.format import layouts
+
+    nd = len(shape)
+    offs = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+    sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+    enc = layouts.encode(shape, offs, sizes, np.array(ranks, dtype=np.int64))
+    entry = {"kind": "tensor", "dtype": "float32", "shape": list(shape), **json.loads(json.dumps(enc))}
+    assert layouts.check(entry, list(shape), 64) is None, entry
+    return enc, sorted((tuple(o), tuple(s), r) for o, s, r in layouts.expand(entry, shape))
+
+
+@pytest.mark.parametrize("shape,cuts", [((3, 4), [0, 5, 12]), ((2, 3, 5), [0, 7, 8, 29, 30]), ((6, 10), [0, 20, 40, 60]),
+                                        ((5,), [0, 2, 5]), ((4, 1, 3), [0, 1, 11, 12])])
+def test_flat_partitions_encode_in_one_entry_per_range_and_expand_back(shape: tuple, cuts: list) -> None:
+    from shardpoint.plan.boxes import flat_range_boxes
+
+    boxes, ranks = [], []
+    for r, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        for box in flat_range_boxes(shape, a, b):
+            boxes.append((box.offsets, box.sizes))
+            ranks.append(r)
+    enc, back = _encode_expand(shape, boxes, ranks)
+    assert back == sorted((o, s, r) for (o, s), r in zip(boxes, ranks))
+    aligned = all(c % math.prod(shape[1:]) == 0 for c in cuts)
+    assert ("grid" if aligned else "flat") in enc, enc  # row-aligned partitions are a grid
+    if "flat" in enc:
+        assert enc["flat"] == [[a, b, r] for r, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+
+
+def test_uneven_2d_grid_and_irregular_chunks() -> None:
+    # Shard(0) x Shard(1) of a 10 x 7 tensor on a 4 x 3 mesh: pieces of 3 rows (the last 1) and 3 columns (the last 1)
+    boxes, ranks = [], []
+    for i in range(4):
+        for j in range(3):
+            boxes.append(((3 * i, 3 * j), (min(3, 10 - 3 * i), min(3, 7 - 3 * j))))
+            ranks.append(3 * i + j)
+    enc, back = _encode_expand((10, 7), boxes, ranks)
+    assert enc == {"grid": {"cuts": [3, 3], "ranks": {"first": 0, "step": 1}}}
+    assert back == sorted((o, s, r) for (o, s), r in zip(boxes, ranks))
+    # an L-shaped tiling is no grid: kept chunk by chunk
+    odd = [((0, 0), (2, 3)), ((2, 0), (2, 1)), ((2, 1), (2, 2))]
+    enc, back = _encode_expand((4, 3), odd, [0, 1, 2])
+    assert "chunks" in enc and back == sorted((o, s, r) for (o, s), r in zip(odd, [0, 1, 2]))

@@ -58,7 +58,8 @@ def layout_message(layout: dict[str, Any], reference: str | None) -> tuple[str, 
     ``reference`` (rank 0's, which the coordinator holds)."""
     structure = {"containers": layout["containers"], "tensors": layout["tensors"], "keys": layout["chunks"]["key"],
                  "per_rank": layout["per_rank"]}
-    boxes = {"off": layout["chunks"]["off"], "size": layout["chunks"]["size"]}
+    # flat lists of ints: half the parsing of nested ones on the coordinator
+    boxes = {name: list(chain.from_iterable(layout["chunks"][name])) for name in ("off", "size")}
     sd = layout_digest(structure)
     digest = layout_digest({"structure": sd, "boxes": boxes})
     return digest, {"s": None if sd == reference else structure, "sd": sd, "b": boxes}
@@ -66,7 +67,15 @@ def layout_message(layout: dict[str, Any], reference: str | None) -> tuple[str, 
 
 def _full_layout(structure: dict[str, Any], boxes: dict[str, Any]) -> dict[str, Any]:
     return {"containers": structure["containers"], "tensors": structure["tensors"], "per_rank": structure["per_rank"],
-            "chunks": {"key": structure["keys"], "off": boxes["off"], "size": boxes["size"]}}
+            "chunks": {"key": structure["keys"], "off_flat": boxes["off"], "size_flat": boxes["size"]}}
+
+
+def _flat_boxes(m: dict[str, Any], name: str) -> Any:
+    """A rank's ``off`` or ``size`` values, chunk after chunk: flat as they arrive in a
+    message, or flattened from the nested lists of a full description."""
+    c = m["chunks"]
+    flat = c.get(name + "_flat")
+    return flat if flat is not None else chain.from_iterable(c[name])
 
 
 @dataclass(slots=True)
@@ -142,10 +151,10 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
     offsets = np.zeros((n, ndim), dtype=np.int64)
     sizes = np.ones((n, ndim), dtype=np.int64)
     for name, out in (("off", offsets), ("size", sizes)):
-        flat = np.fromiter(chain.from_iterable(chain.from_iterable(m["chunks"][name] for m in layouts_)), dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(_flat_boxes(m, name) for m in layouts_), dtype=np.int64)
         if flat.size != total:
-            bad = next(r for r, m in enumerate(layouts_) if any(
-                len(o) != len(info[k]["shape"]) for k, o in zip(m["chunks"]["key"], m["chunks"][name])))
+            bad = next(r for r, m in enumerate(layouts_) if sum(1 for _ in _flat_boxes(m, name)) != sum(
+                len(info[k]["shape"]) for k in m["chunks"]["key"]))
             raise ShardpointError(
                 f"rank {bad} described chunks whose number of dimensions differs from their tensor's shape; "
                 "this is a bug in the layout of that rank's state (report it with the state's types)")
