@@ -197,6 +197,16 @@ def _at_exit() -> None:
         )
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) runs threading's exit hooks too, but the
+    save in flight and the channels (cleared by collective.py) are the parent's:
+    destroying the inherited gloo groups there crashed the worker with SIGSEGV."""
+    global _in_flight
+    _in_flight = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
 # threading's exit hooks run before Python joins non-daemon threads and before
 # ``atexit``, while every thread and torch itself are still whole
 _register = getattr(threading, "_register_atexit", None)

@@ -53,6 +53,9 @@ _ABORT = 1 << 40
 _POLL = timedelta(seconds=0.25)
 
 _channels: dict[str, _Channel] = {}
+# a forked child (a DataLoader worker) inherits the parent's channels but not their
+# gloo threads: it must never use, close or destroy them
+os.register_at_fork(after_in_child=_channels.clear)
 
 class Traffic:
     """Bytes this process received through the checkpoint group's collectives, and

@@ -274,3 +274,32 @@ def test_exit_while_a_peer_holds_the_save_ends_cleanly(tmp_path: Path) -> None:
     assert proc.stdout.count("leaving") == 2
     assert proc.stderr.count("step 3") >= 2 and "NOT committed" in proc.stderr, proc.stderr[-4000:]
     assert shardpoint.CheckpointManager(tmp_path / "ckpt").latest() is None
+
+
+
+_FORK_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch, torch.distributed as dist, shardpoint
+    from torch.utils.data import DataLoader
+    dist.init_process_group("gloo")
+    root = sys.argv[1]
+    shardpoint.save({"w": torch.ones(4)}, root)  # makes the channel's gloo groups
+    shardpoint.save({"w": torch.ones(4)}, root + "-async", blocking=False).wait()
+    seen = []
+    for _ in range(2):  # each epoch forks workers, which exit through threading's exit hooks
+        for batch in DataLoader(list(range(32)), batch_size=4, num_workers=2):
+            seen += batch.tolist()
+    assert sorted(seen) == sorted(list(range(32)) * 2), seen
+    print("finished", dist.get_rank(), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_forked_dataloader_workers_survive_the_channels(tmp_path: Path) -> None:
+    """A DataLoader worker forked after a save inherits the channels' gloo groups;
+    its exit must not touch them (destroying them there killed every worker with
+    SIGSEGV, so the first training step after a checkpoint failed)."""
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK_SCRIPT)
+    proc = _torchrun(script, 2, str(tmp_path / "ckpt"))
+    assert proc.returncode == 0 and proc.stdout.count("finished") == 2, proc.stderr[-4000:]
