@@ -231,20 +231,29 @@ class Comm:
         ch = self.channel
         assert ch is not None
         ch.settle()
-        with _lock:
-            ch.seq += 1
-            seq = ch.seq
-        self._seq = seq
-        s, k, world = self.store, f"{seq}/", self.world
+        s, world = self.store, self.world
         digest = hashlib.sha1(f"{op}\0{path}".encode()).hexdigest()[:16]
-        # the first rank's digest is the reference; a rank that differs says so
-        # before it counts itself in, so the count of differing ranks is final
-        # once everyone has counted in
-        if s.compare_set(k + "ref", "", digest) != digest.encode():
-            s.add(k + "bad", 1)
-        n = s.add(k + "n", 1)
-        s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
-        if n >= _ABORT:  # late: the call was given up before this rank came
+        while True:
+            with _lock:
+                ch.seq += 1
+                seq = ch.seq
+            self._seq = seq
+            k = f"{seq}/"
+            # the first rank's digest is the reference; a rank that differs says so
+            # before it counts itself in, so the count of differing ranks is final
+            # once everyone has counted in
+            ref = s.compare_set(k + "ref", "", digest)
+            if ref != digest.encode():
+                s.add(k + "bad", 1)
+            n = s.add(k + "n", 1)
+            s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
+            if n < _ABORT or ref == digest.encode():
+                break
+            # a call this rank never made (another op or path, on some ranks only: a
+            # save behind `if rank == 0:`) was given up here before it came; it is
+            # not late for it, so it moves on to the next call instead of failing
+            self._leave(k)
+        if n >= _ABORT:  # late: this very call was given up before this rank came
             verdict = s.get(k + "go")
         elif n == world:  # last: release everyone
             verdict = b"ok" if s.add(k + "bad", 0) == 0 else b"mismatch"

@@ -102,6 +102,29 @@ def test_ranks_that_never_call_do_not_hang_rank_0(tmp_path) -> None:  # type: ig
     assert results[0] == {"ranks": [1, 2, 3]} and results[1:] == [None, None, None]
 
 
+def misuse_then_save_case(rank: int, world: int, tmp: str) -> dict | None:
+    """Rank 0 alone saves (a save behind `if rank == 0:`) and is told who is absent;
+    the others wait in a training collective meanwhile. Then every rank saves
+    another path, which must work: the abandoned call is not theirs."""
+    import torch.distributed as dist
+
+    out = None
+    if rank == 0:
+        with pytest.raises(CollectiveMismatchError) as ei:
+            shardpoint.save(state(rank), f"{tmp}/misused", timeout=SHORT)
+        out = {"ranks": ei.value.ranks}
+    dist.barrier()
+    check_next_save_works(rank, f"{tmp}/next")
+    check_next_save_works(rank, f"{tmp}/after")
+    return out
+
+
+def test_a_save_on_rank_0_only_does_not_spoil_the_next_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = run_ranks(misuse_then_save_case, WORLD, str(tmp_path), timeout=180)
+    assert results[0] == {"ranks": [1, 2, 3]} and results[1:] == [None, None, None]
+    assert not (tmp_path / "misused" / "manifest.json").exists()
+
+
 def paths_case(rank: int, world: int, tmp: str) -> dict:
     path = f"{tmp}/a" if rank < 2 else f"{tmp}/b"
     with pytest.raises(CollectiveMismatchError) as ei:
