@@ -4,12 +4,13 @@ streams captured now and applied later.
 
 Why a second arrival check: a trainer calls the checkpoint at a point of its own
 loop, and users guard such calls with ``if is_main_process:``. The core names the
-absent ranks, but its arrival slots are numbered per call, so a rank that never
-made the misused call would meet the abandoned slot at its *next* (correct) save
-and fail again. Here each arrival is keyed by what the call is about (operation,
-path and the trainer's global step), so a save that only rank 0 made is abandoned
-with a :class:`~shardpoint.CollectiveMismatchError` naming the absent ranks, the
-core is never entered, and the next save of the whole job meets in a fresh slot.
+absent ranks and lets the next call of another path go on, but a trainer often
+saves the *same* path again (``checkpoint-N`` after a failed save at step N), which
+the core takes for a late arrival at the abandoned call. Here each arrival is keyed
+by what the call is about (operation, path and the trainer's global step), so a
+save that only rank 0 made is abandoned with a
+:class:`~shardpoint.CollectiveMismatchError` naming the absent ranks before the
+core is entered, and the next save of the whole job meets in a fresh slot.
 """
 
 from __future__ import annotations
