@@ -5,7 +5,7 @@ streams captured now and applied later.
 Why a second arrival check: a trainer calls the checkpoint at a point of its own
 loop, and users guard such calls with ``if is_main_process:``. The core names the
 absent ranks and lets the next call of another path go on, but a trainer often
-saves the *same* path again (``checkpoint-N`` after a failed save at step N), which
+saves the *same* path again (Lightning's ``last.ckpt`` at every save), which
 the core takes for a late arrival at the abandoned call. Here each arrival is keyed
 by what the call is about (operation, path and the trainer's global step), so a
 save that only rank 0 made is abandoned with a
