@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from tests._dist import run_ranks
-from tests.integrations._frameworks import need, rel
+from tests.integrations._frameworks import check_same_world, global_ids, need, rel
 
 pytestmark = pytest.mark.distributed
 K, STEPS = 6, 12
@@ -40,22 +40,14 @@ def _one_rank(tmp: str) -> dict:
     return _ONE[tmp]
 
 
-def _flat_ids(steps: list[list[list[int]]]) -> list[list[int]]:
-    """Per step, the global batch's ids (the ranks' shares in rank order)."""
-    return [sum((rank[i] for rank in steps), []) for i in range(len(steps[0]))]
-
-
 @pytest.mark.timeout(500)
 def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[no-untyped-def]
     _, res = two_ranks
+    check_same_world(res, K, STEPS)  # at_k here holds the RNG and the step too
     for r in res:
-        base, first, resumed = r["base"], r["first"], r["resumed"]
-        assert len(first["losses"]) == K and len(resumed["losses"]) == STEPS - K
-        assert resumed["losses"] == base["losses"][K:]  # bitwise, with dropout
-        assert resumed["at_k"] == base["at_k"]  # parameters, optimizer state, scheduler, lr, RNG, step
+        resumed = r["resumed"]
         assert resumed["at_k"]["step"] == K and resumed["at_k"]["sched"]["last_epoch"] == K
-        assert first["ids"] + resumed["ids"] == base["ids"]
-    ids = _flat_ids([r["base"]["ids"] for r in res])
+    ids = global_ids([r["base"]["ids"] for r in res])
     epoch0, epoch1 = sum(ids[:8], []), sum(ids[8:], [])  # 64 samples: 8 steps of 8 per epoch
     assert sorted(epoch0) == list(range(64)) and len(set(epoch1)) == len(epoch1) == 8 * (STEPS - 8)
     # ModelCheckpoint's naming and top-k removal work on checkpoint directories
@@ -85,8 +77,8 @@ def test_resume_on_one_rank_keeps_the_global_batch(two_ranks) -> None:  # type: 
     neg_worst = max(rel(a, b) for a, b in zip(neg["losses"], base[K:]))
     assert neg_worst > 1e-4  # the negative control: without the optimizer the bound breaks
     # the data: the first 6 steps on 2 ranks and the last 6 on 1 rank consumed the uninterrupted run's samples
-    first = _flat_ids([r["first0"]["ids"] for r in res])
-    assert first + one["ids"] == _flat_ids([r["base0"]["ids"] for r in res])
+    first = global_ids([r["first0"]["ids"] for r in res])
+    assert first + one["ids"] == global_ids([r["base0"]["ids"] for r in res])
 
 
 @pytest.mark.timeout(500)
@@ -101,7 +93,7 @@ def test_fsdp2_model_parallel_strategy_resumes_on_two_ranks_and_on_one(two_ranks
     base = [(a + b) / 2 for a, b in zip(res[0]["fsdp_base"]["losses"], res[1]["fsdp_base"]["losses"])]
     one = _one_rank(tmp)["fsdp"]
     assert max(rel(a, b) for a, b in zip(one["losses"], base[K:])) < 1e-4
-    assert _flat_ids([r["fsdp_first"]["ids"] for r in res]) + one["ids"] == _flat_ids(
+    assert global_ids([r["fsdp_first"]["ids"] for r in res]) + one["ids"] == global_ids(
         [r["fsdp_base"]["ids"] for r in res])
 
 
@@ -118,4 +110,4 @@ def test_resume_on_one_rank_with_gradient_accumulation(two_ranks) -> None:  # ty
     steps = [(acc["losses"][i] + acc["losses"][i + 1]) / 2 for i in range(0, len(acc["losses"]), 2)]
     assert max(rel(a, b) for a, b in zip(steps, base[K:])) < 1e-4, (steps, base[K:])
     ids = [acc["ids"][i] + acc["ids"][i + 1] for i in range(0, len(acc["ids"]), 2)]
-    assert _flat_ids([r["first0"]["ids"] for r in res]) + ids == _flat_ids([r["base0"]["ids"] for r in res])
+    assert global_ids([r["first0"]["ids"] for r in res]) + ids == global_ids([r["base0"]["ids"] for r in res])
