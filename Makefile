@@ -22,7 +22,7 @@ demo: setup
 	$(PY) examples/demo.py
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 bench: setup
 	$(PY) benchmarks/compare.py
