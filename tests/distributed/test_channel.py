@@ -176,7 +176,7 @@ def test_exit_after_async_saves_is_clean(tmp_path: Path, how: str) -> None:
     time to commit)."""
     script = tmp_path / "train.py"
     script.write_text(_EXIT_SCRIPT)
-    runs = int(os.environ.get("SHARDPOINT_EXIT_RUNS", "2"))
+    runs = int(os.environ.get("SHARDPOINT_EXIT_RUNS", "1"))  # CI time; SHARDPOINT_EXIT_RUNS=20 for a soak
     for i in range(runs):
         root = tmp_path / f"run{i}"
         proc = _torchrun(script, 2, str(root), "12", how)
