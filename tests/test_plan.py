@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardpoint.errors import ShardpointError
 from shardpoint.plan import (
     Box,
     ChunkTable,
@@ -480,3 +481,24 @@ def test_coordinator_reuses_its_plan_only_for_the_same_layout() -> None:
     answer = lost.plan_round([{"layout": dict(m["layout"], s=full[0]["layout"]["s"])} for m in full])
     assert all(r["assign"] == {"write": [[0, 1]], "check": []} for r in answer)
     co.forget()
+
+
+def _layout(tensors: dict, keys: list, offs: list, sizes: list) -> dict:
+    return {"containers": {"": "dict"}, "tensors": tensors, "chunks": {"key": keys, "off": offs, "size": sizes},
+            "per_rank": {}}
+
+
+def test_coordinator_errors_name_the_rank_and_the_key() -> None:
+    """The coordinator's two structural errors name the rank (and key) and what to do."""
+    from shardpoint import _coordinator as co
+
+    t = {"w": {"dtype": "float32", "shape": [4], "numpy": False}}
+    good = _layout(t, ["w"], [[0]], [[4]])
+    # rank 1 describes a 1-D tensor's chunk with two dimensions
+    bad = _layout(t, ["w"], [[0, 0]], [[4, 1]])
+    with pytest.raises(ShardpointError, match=r"rank 1 described chunks whose number of dimensions differs"):
+        co.make_plan([good, bad])
+    # a tensor at 'w' on rank 0, a plain value at 'w' on rank 1
+    plan = co.make_plan([good, _layout({}, [], [], [])])
+    with pytest.raises(ShardpointError, match=r"key 'w' is a tensor on some ranks and a plain value on rank 1"):
+        co.merge_values(plan, [{"values": {}}, {"values": {"w": ["int", "3"]}}])
