@@ -250,11 +250,11 @@ _STUCK_SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     if rank == 0:  # holds the save between writing and the exchange of write statuses
-        _save.phase_hook = lambda phase: time.sleep(20) if phase == "written" else None
+        _save.phase_hook = lambda phase: time.sleep(10) if phase == "written" else None
     mgr = shardpoint.CheckpointManager(sys.argv[1])
     mgr.save(shardpoint.TrainState(rng=False, w=torch.ones(1000)), 3, blocking=False)
     if rank == 0:
-        time.sleep(25)  # rank 1 has exited by now; the save fails here and is reported at exit
+        time.sleep(13)  # rank 1 has exited by now; the save fails here and is reported at exit
     print("leaving", rank, flush=True)
 """)
 
@@ -274,7 +274,6 @@ def test_exit_while_a_peer_holds_the_save_ends_cleanly(tmp_path: Path) -> None:
     assert proc.stdout.count("leaving") == 2
     assert proc.stderr.count("step 3") >= 2 and "NOT committed" in proc.stderr, proc.stderr[-4000:]
     assert shardpoint.CheckpointManager(tmp_path / "ckpt").latest() is None
-
 
 
 _FORK_SCRIPT = textwrap.dedent("""
