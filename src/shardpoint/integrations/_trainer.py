@@ -16,17 +16,17 @@ core is entered, and the next save of the whole job meets in a fresh slot.
 from __future__ import annotations
 
 import json
-import random
 import time
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
-import torch
-
+from .._rng import current_streams, set_streams
 from ..errors import CollectiveMismatchError
 
 __all__ = ["arrive", "capture_rng", "apply_rng", "timeout_seconds"]
+
+#: This process's RNG streams, captured now and set later (the core's own helpers).
+capture_rng, apply_rng = current_streams, set_streams
 
 
 def timeout_seconds(timeout: timedelta | float) -> float:
@@ -82,20 +82,3 @@ def arrive(op: str, path: str, step: int | str, timeout: timedelta | float, proc
         "the next save made by every rank works",
         ranks=absent,
     )
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's Python, NumPy and torch CPU (and CUDA) RNG states."""
-    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def apply_rng(states: dict[str, Any]) -> None:
-    """Set what :func:`capture_rng` captured."""
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
