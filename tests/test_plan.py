@@ -502,3 +502,55 @@ def test_coordinator_errors_name_the_rank_and_the_key() -> None:
     plan = co.make_plan([good, _layout({}, [], [], [])])
     with pytest.raises(ShardpointError, match=r"key 'w' is a tensor on some ranks and a plain value on rank 1"):
         co.merge_values(plan, [{"values": {}}, {"values": {"w": ["int", "3"]}}])
+
+
+def _rank_layouts(world, rows, key_shapes):  # type: ignore[no-untyped-def]
+    """Per-rank layout descriptions (as ranks send them) of a ``layouts()`` case."""
+    tensors = {f"k{k}": {"dtype": "float32", "shape": list(s), "numpy": False} for k, s in enumerate(key_shapes)}
+    out = []
+    for r in range(world):
+        mine = [(k, b) for k, rr, b in rows if rr == r]
+        out.append(_layout({f"k{k}": tensors[f"k{k}"] for k, _ in mine}, [f"k{k}" for k, _ in mine],
+                           [list(b.offsets) for _, b in mine], [list(b.sizes) for _, b in mine]))
+    return out
+
+
+@SETTINGS
+@given(layouts(), st.permutations(range(9)))
+def test_the_manifests_fast_paths_agree_with_the_general_ones(case, perm) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator's vectorised paths (grids of dim-0 splits for all tensors at
+    once, every rank's assignment ranges in one pass) give exactly what the per-tensor
+    and per-rank code gives, ranks in any order."""
+    from shardpoint import _coordinator as co
+
+    world, rows, key_shapes, _itemsizes, _kinds = case
+    ranks = [p for p in perm if p < world]  # rank numbers shuffled: irregular rank steps
+    rows = sorted(((k, ranks[r], b) for k, r, b in rows), key=lambda x: x[1])
+    plan = co.make_plan(_rank_layouts(world, rows, key_shapes))
+    statuses = [{"file": f"f{r}", "size": 1, "replicas": [[], []], "index": {"name": "i", "size": 1, "sha256": "0"}}
+                for r in range(world)]
+    values = [{"values": {}, "per_rank": {}}] * world
+    fast = co.build_manifest(plan, values, statuses, "s").tree.entries
+    original = co._row_split_grids
+    co._row_split_grids = lambda *a: {}  # type: ignore[assignment]
+    try:
+        general = co.build_manifest(plan, values, statuses, "s").tree.entries
+    finally:
+        co._row_split_grids = original  # type: ignore[assignment]
+    assert fast == general
+    for r, a in enumerate(co.assignments(plan)):
+        lo, hi = int(plan.row_start[r]), int(plan.row_start[r + 1])
+        for name, mask in (("write", plan.writer[lo:hi]), ("check", plan.check[lo:hi])):
+            want = [[i, j] for i, j in _runs(mask.tolist())]
+            assert a[name] == want, (r, name)
+
+
+def _runs(mask: list[bool]) -> list[tuple[int, int]]:
+    out, start = [], None
+    for i, m in enumerate(mask + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out

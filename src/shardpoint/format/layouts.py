@@ -162,23 +162,30 @@ def _grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks:
     m, nd = offsets.shape
     cuts, specs, counts = [], [], []
     for d in range(nd):
-        c = np.unique(np.concatenate([offsets[:, d], offsets[:, d] + sizes[:, d]]))
+        # the cuts of a grid are the boxes' starts and the largest end
+        o = offsets[:, d]
+        if o.any():
+            srt = np.sort(o)
+            c = np.append(srt[np.concatenate(([True], srt[1:] != srt[:-1]))], (o + sizes[:, d]).max())
+        else:
+            c = np.array([0, sizes[:, d].max()], dtype=np.int64)
         cuts.append(c)
         counts.append(len(c) - 1)
     if math.prod(counts) != m:
         return None
     if nd:
         idx = [np.searchsorted(cuts[d], offsets[:, d]) for d in range(nd)]
-        # each box must be exactly one cell (the boxes tile the tensor, so m cells and m boxes
-        # means one cell each, but check: the end of each box is the next cut)
+        # each box must be exactly one cell: its end is the next cut
         for d in range(nd):
             if not np.array_equal(cuts[d][idx[d] + 1] - cuts[d][idx[d]], sizes[:, d]):
                 return None
         cell = np.ravel_multi_index(idx, counts)
     else:
         cell = np.zeros(m, dtype=np.int64)
-    rank_of_cell = np.empty(m, dtype=np.int64)
+    rank_of_cell = np.full(m, -1, dtype=np.int64)
     rank_of_cell[cell] = ranks
+    if m > 1 and (rank_of_cell < 0).any():  # two boxes in one cell: m boxes do not fill m cells
+        return None
     for d in range(nd):
         step = np.diff(cuts[d])
         c0 = int(step[0])
