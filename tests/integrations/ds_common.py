@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import queue
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,47 +67,11 @@ def build_comm_op_once() -> None:
 
 
 def run_ds(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = TIMEOUT) -> list[Any]:
-    """``tests._dist.run_ranks``, with ranks forked from a preloaded forkserver."""
-    import pickle
-
-    import torch.multiprocessing as mp
-
-    from tests._dist import RankFailed, _entry, free_port
+    """``tests._dist.run_ranks``, with ranks forked from a server that preloaded DeepSpeed."""
+    from tests._dist import run_ranks
 
     build_comm_op_once()
-
-    mp.set_forkserver_preload(PRELOAD)
-    ctx = mp.get_context("forkserver")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, {}), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout}s")
-            try:
-                rank, ok, value = q.get(timeout=min(left, 1.0))
-                results[rank] = (ok, value)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise RankFailed(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    failed = {r: v for r, (ok, v) in results.items() if not ok}
-    if failed:
-        raise RankFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
-    return [pickle.loads(results[r][1]) for r in range(world_size)]
+    return run_ranks(fn, world_size, *args, timeout=timeout, preload=PRELOAD)
 
 
 # -- model, engine, data ------------------------------------------------------------------------
