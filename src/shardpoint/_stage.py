@@ -95,7 +95,9 @@ stats = _Stats()
 
 
 class Pool:
-    """A few fixed host slots, reused for every piece the blocking save copies."""
+    """A few fixed host slots, reused for every piece the blocking save copies: at
+    most ``slots`` x ``slot_bytes`` of host memory (less while no tensor needs a
+    whole slot)."""
 
     def __init__(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS) -> None:
         self.slot_bytes, self.n = max(slot_bytes, _ALIGN), max(slots, 2)
@@ -106,13 +108,20 @@ class Pool:
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.slots)
 
-    def ready(self, pinned: bool) -> None:
-        """Allocate the slots (again, pinned, if they are pageable and pinned is wanted)."""
-        if self.slots and (self.pinned or not pinned):
+    @property
+    def piece(self) -> int:
+        """Bytes of one piece: the size of a slot as allocated."""
+        return self.slots[0].numel() if self.slots else self.slot_bytes
+
+    def ready(self, pinned: bool, need: int) -> None:
+        """Have slots of at least ``min(need, slot_bytes)`` bytes (allocated again,
+        pinned, if they are pageable and pinned is wanted)."""
+        size = -(-min(max(need, 1), self.slot_bytes) // _ALIGN) * _ALIGN
+        if self.slots and (self.pinned or not pinned) and self.slots[0].numel() >= size:
             return
         self.slots = []
         self.pinned = pinned
-        self.slots = [_host(self.slot_bytes, pinned) for _ in range(self.n)]
+        self.slots = [_host(size, pinned) for _ in range(self.n)]
 
 
 class Copier:
@@ -126,14 +135,14 @@ class Copier:
     def __init__(self, pool: Pool, tensors: Sequence[torch.Tensor]) -> None:
         self.pool, self.tensors = pool, list(tensors)
         cuda = any(t.device.type == "cuda" for t in self.tensors)
-        pool.ready(pinned=cuda and torch.cuda.is_available())
+        pool.ready(cuda and torch.cuda.is_available(), max((t.numel() * t.element_size() for t in self.tensors), default=1))
         self._jobs = self._all_jobs()
         self._ahead: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
         self._slot = 0
         self._started: set[torch.device] = set()
 
     def _all_jobs(self) -> Iterator[tuple[int, torch.Tensor]]:
-        step = self.pool.slot_bytes
+        step = self.pool.piece
         for i, t in enumerate(self.tensors):
             flat = byte_view(t)
             for off in range(0, flat.numel(), step):
