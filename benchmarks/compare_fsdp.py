@@ -353,12 +353,44 @@ def role_save(cfg: dict[str, Any]) -> None:
             asyncsave._staging.buf = None
 
         async_rows("sp_async", lambda p: sp.save(state, p, blocking=False), lambda h: h.wait(), drop_staging)
+        if "overlap" in inspect.signature(sp.save).parameters:
+            overlap_rows(rec, sp, state, d, negate)
     assert same(fp, fingerprint(state)), "the state changed while saving"
     load_and_check("sp_load4", lambda: sp.load(state, d["sp"]))
     if not why_async:
         load_and_check("sp_async_content", lambda: sp.load(state, d["sp_async"]), timed=False)
         load_and_check("sp_async3_content", lambda: sp.load(state, d["sp_async3"]), timed=False)
+        if "sp_overlap" in rec.rows and "error" not in rec.rows["sp_overlap"]:
+            load_and_check("sp_overlap_content", lambda: sp.load(state, d["sp_overlap"]), timed=False)
     rec.flush()
+
+
+def overlap_rows(rec: Recorder, sp: Any, state: Any, d: dict[str, str], negate: Callable[[], None]) -> None:
+    """Row ``sp_overlap``: ``save(blocking=False, overlap=True)``, median of 3 (staging
+    buffer warm, as in the steady state). The stall is the time for ``save`` to return;
+    ``staged_s`` when the copy was taken. Then the state is changed in place, as the
+    training step that waited for the copy would, and restored after ``wait()``."""
+    names = ["sp_overlap", "sp_overlap_b", "sp_overlap_c"]
+    try:
+        for name in names:
+            rec._prepare(False)
+            with PeakRss() as m:
+                t0 = time.perf_counter()
+                h = sp.save(state, d[name], blocking=False, overlap=True)
+                stall = time.perf_counter() - t0
+                stall_mem = m.sample()
+                h.wait_staged()
+                staged = time.perf_counter() - t0
+                negate()
+                h.wait()
+                total = time.perf_counter() - t0
+            negate()
+            rec.rows[name] = {"s": stall, "mem": stall_mem, "staged_s": staged, "total_s": total, "total_mem": m.growth}
+        rec.fold("sp_overlap", names)
+    except Exception as e:
+        rec.rows["sp_overlap"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        rec.flush()
+        raise
 
 
 def read_files(paths: list[str], block: int = 8 << 20) -> int:

@@ -63,8 +63,11 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    backend = os.environ.get("SHARDPOINT_TEST_BACKEND", "gloo")  # tests/cuda: "nccl" for the world of one GPU
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        if backend == "nccl" or os.environ.get("SHARDPOINT_TEST_CUDA"):
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
         # plain pickle copies tensors by value; torch's queue would share memory with a
         # process that is about to exit

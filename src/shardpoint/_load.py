@@ -52,6 +52,7 @@ class Reader:
     bytes_read: int = 0
     targets: list[_Target] = field(default_factory=list)
     _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
+    _devices: set[torch.device] = field(default_factory=set)  # CUDA devices with copies in flight
 
     @property
     def crc_block(self) -> int:
@@ -87,11 +88,16 @@ class Reader:
                 jobs.append(self._job(t, op, boxes[op.source], c, dtype, itemsize))
         if not jobs:
             return
-        if len(jobs) == 1 or IO_THREADS <= 1:
-            self.bytes_read += sum(j() for j in jobs)
-            return
-        with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(jobs))) as ex:
-            self.bytes_read += sum(ex.map(lambda j: j(), jobs))
+        try:
+            if len(jobs) == 1 or IO_THREADS <= 1:
+                self.bytes_read += sum(j() for j in jobs)
+                return
+            with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(jobs))) as ex:
+                self.bytes_read += sum(ex.map(lambda j: j(), jobs))
+        finally:
+            for d in self._devices:  # the targets hold their bytes when the load returns
+                torch.cuda.synchronize(d)
+            self._devices.clear()
 
     def _job(self, t: _Target, op: Any, sbox: Box, chunk: dict[str, Any], dtype: torch.dtype, itemsize: int) -> Callable[[], int]:
         def run() -> int:
@@ -99,9 +105,16 @@ class Reader:
             dst = t.views[op.target].detach()  # a parameter may require grad; we write its data
             if tbox.sizes:
                 dst = dst[tuple(slice(r - o, r - o + n) for r, o, n in zip(op.region.offsets, tbox.offsets, op.region.sizes))]
-            if dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel():
+            on_gpu = dst.device.type == "cuda"
+            if dst.dtype == dtype and (on_gpu or dst.device.type == "cpu") and dst.is_contiguous() and dst.numel():
                 if box_runs(op.region, sbox)[3] == 1:  # one contiguous byte range on both sides
-                    return self._read_range_into(t.key, chunk, op.first * itemsize, op.last * itemsize, dst)
+                    if not on_gpu:
+                        return self._read_range_into(t.key, chunk, op.first * itemsize, op.last * itemsize, dst)
+                    # read into pinned host memory, copy to the device while the next reads run
+                    host = torch.empty(dst.shape, dtype=dtype, pin_memory=True)
+                    n = self._read_range_into(t.key, chunk, op.first * itemsize, op.last * itemsize, host)
+                    self._to_device(dst, host)
+                    return n
             lo, hi = op.first * itemsize, op.last * itemsize
             data, lo = self._read_staged(t.key, chunk, lo, hi)
             if op.region.numel == 0:
@@ -113,10 +126,21 @@ class Reader:
                 strides[d] = strides[d + 1] * sbox.sizes[d + 1]
             base = op.first - lo // itemsize
             region = src.as_strided(op.region.sizes, strides, base) if sbox.sizes else src[base : base + 1].reshape(())
-            dst.copy_(region)
+            if on_gpu:  # one host copy of the region, pinned, then asynchronously to the device
+                host = torch.empty(region.shape, dtype=dtype, pin_memory=True)
+                host.copy_(region)
+                self._to_device(dst, host)
+            else:
+                dst.copy_(region)
             return len(data)
 
         return run
+
+    def _to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        """An asynchronous copy from pinned ``host`` (kept by torch's caching host
+        allocator until the copy ran); :meth:`run` waits for the device at its end."""
+        self._devices.add(dst.device)
+        dst.copy_(host, non_blocking=True)
 
     def locate(self, key: str, chunk: Any, per_rank: bool) -> dict[str, Any]:
         """A saved chunk with its file, byte offset, length and block CRCs (version 2:

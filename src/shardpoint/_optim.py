@@ -20,6 +20,7 @@ from .tree import decode_key, join
 
 __all__ = [
     "canonical_name", "param_names", "hyperparameters", "apply_param_groups", "OptimizerEntries", "zeros_like_entry",
+    "state_value",
 ]
 
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -106,3 +107,21 @@ def zeros_like_entry(key: str, e: Mapping[str, Any], like: torch.Tensor | None) 
         return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format).detach()
     return torch.zeros(shape, dtype=dtype)
 
+
+
+def state_value(group: Mapping[str, Any], param: torch.Tensor, name: Any, value: Any) -> Any:
+    """``value`` as ``Optimizer.load_state_dict`` would place it for ``param`` of
+    ``group`` (its ``_process_value_according_to_param_policy``): ``step`` stays as it
+    is, except for fused or capturable optimizers, which keep it as float32 on the
+    parameter's device; any other tensor goes to the parameter's device, and to its
+    dtype when the parameter is floating point. A fused or capturable Adam resumed
+    into a never-stepped optimizer then steps with its state where it expects it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if name == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)

@@ -38,7 +38,9 @@ def current_streams() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
+        # the generator of this rank's own device only: another device's belongs to
+        # another rank, and a resumed process may see fewer devices
+        out["cuda"] = [torch.cuda.get_rng_state(torch.cuda.current_device())]
     return out
 
 
@@ -49,8 +51,14 @@ def set_streams(s: Mapping[str, Any]) -> None:
     n = s["numpy"]
     np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(torch.as_tensor(s["torch"], dtype=torch.uint8))
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.as_tensor(x, dtype=torch.uint8) for x in s["cuda"]])
+    if s.get("cuda") and torch.cuda.is_available():
+        dev = torch.cuda.current_device()
+        states = list(s["cuda"])
+        # one state: this rank's device's (as saved now); several: every visible device's, as
+        # older versions saved them: take this device's where it exists
+        state = states[0] if len(states) == 1 else states[dev] if dev < len(states) else None
+        if state is not None:
+            torch.cuda.set_rng_state(torch.as_tensor(state, dtype=torch.uint8), dev)
 
 
 class RngStreams:
@@ -64,6 +72,7 @@ class RngStreams:
     def __init__(self, rng: bool | int) -> None:
         self.rng = rng
         self._absent = False  # during a load from a checkpoint saved without RNG streams
+        self._no_cuda = False  # during a load from a checkpoint that saved no CUDA stream
 
     @property
     def base_seed(self) -> int:
@@ -74,12 +83,18 @@ class RngStreams:
         load, not in the checkpoint)."""
         if self.rng is False or self._absent:
             return None
-        return {"base_seed": self.base_seed, "streams": PerRank(current_streams())}
+        streams = current_streams()
+        if self._no_cuda:  # a checkpoint saved where CUDA was not in use loads here where it is
+            streams.pop("cuda", None)
+        return {"base_seed": self.base_seed, "streams": PerRank(streams)}
 
     def prepare_load(self, entries: Mapping[str, Any]) -> None:
         """A checkpoint saved without RNG streams (``rng=False``, or converted from
         DeepSpeed's files) leaves this rank's streams alone instead of failing a strict load."""
         self._absent = not any(k == "rng" or k.startswith("rng/") for k in entries)
+        per_rank = entries.get("rng/streams", {}).get("ranks", {}) if not self._absent else {}
+        self._no_cuda = not any(k.startswith("rng/streams/cuda") for sub in per_rank.values()
+                                for k in sub.get("entries", {}))
 
     def apply(self, rng: Any) -> None:
         """Set this rank's saved streams, or (a rank new since the save) its current
@@ -90,6 +105,7 @@ class RngStreams:
     def after_load(self, report: LoadReport, rank: int) -> None:
         """Say in ``report.per_rank["rng/streams"]`` what happened on this rank:
         ``restored``, ``derived`` (seeded from :func:`derived_seed`) or ``not in checkpoint``."""
+        self._no_cuda = False
         if self.rng is False:  # the saved streams (if any) were not applied
             self._absent = False
             report.per_rank.pop(KEY, None)

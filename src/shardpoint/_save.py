@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _stage
 from ._coordinator import Coordinator, layout_message, layout_of, make_plan, replica_digest, values_of  # noqa: F401 - make_plan: plan_bench
 from .collective import Comm, coordinate
 from .errors import ShardpointError
-from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
+from .format.datafile import dtype_name, write_data_file
 from .format.index import chunk_name, digest, index_bytes, index_name
 from .format.manifest import MANIFEST_NAME, encode_value, read_manifest
 from .layout import chunks_of
@@ -95,13 +96,6 @@ def data_file(rank: int, save_id: str) -> str:
     return f"r{rank:05d}-{save_id}.safetensors"
 
 
-def _cpu(v: torch.Tensor) -> torch.Tensor:
-    v = v.detach()
-    if v.device.type != "cpu":
-        v = v.cpu()
-    return v.contiguous()
-
-
 def _mask(ranges: list[list[int]], n: int) -> np.ndarray:
     m = np.zeros(n, dtype=bool)
     for a, b in ranges:
@@ -109,34 +103,53 @@ def _mask(ranges: list[list[int]], n: int) -> np.ndarray:
     return m
 
 
-def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, Any]) -> dict[str, Any]:
+def only_checked(local: _Local, assign: dict[str, Any]) -> list[int]:
+    """The replica rows this rank checksums but another rank writes."""
+    n = len(local.views)
+    return np.nonzero(_mask(assign["check"], n) & ~_mask(assign["write"], n))[0].tolist()
+
+
+def to_write(local: _Local, assign: dict[str, Any]) -> tuple[list[int], list[str], list[torch.Tensor]]:
+    """The rows ``assign`` gives this rank to write and its per-rank values' chunks,
+    in file order: (rows, chunk names, views); per-rank chunks have no row."""
+    rows = local.meta["chunks"]
+    mine = np.nonzero(_mask(assign["write"], len(local.views)))[0].tolist()
+    names = [chunk_name(rows["key"][i], rows["off"][i]) for i in mine]
+    views = [local.views[i] for i in mine]
+    for pkey, pviews in local.per_rank_views.items():
+        prow = local.meta["per_rank"][pkey]["chunks"]
+        for i, v in enumerate(pviews):
+            if v.numel():
+                names.append(chunk_name(prow["key"][i], prow["off"][i], per_rank=True))
+                views.append(v)
+    return mine, names, views
+
+
+def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, Any],
+               checked: dict[int, list[int]] | None = None) -> dict[str, Any]:
     """Phase 2 on one rank: write the chunk rows ``assign`` gives this rank and all of
     its per-rank values' chunks to ``fname`` with their index object beside it;
     return the file's size, the index's record, and the checksums of the replica rows
-    ``assign`` asks to check."""
-    rows = local.meta["chunks"]
+    ``assign`` asks to check (``checked``: those another rank writes, already taken).
+
+    Only what this rank writes is staged (:mod:`shardpoint._stage`): CPU tensors are
+    written from their own memory, device tensors through a fixed pool of host slots
+    (copy of the next piece overlapping the write of this one). Replica rows another
+    rank writes are checksummed in place, or streamed through the same pool."""
     n = len(local.views)
-    write, check = _mask(assign["write"], n), _mask(assign["check"], n)
-    to_write: list[tuple[str, torch.Tensor]] = []
-    mine: list[int] = []
-    replica_crcs: list[list[Any]] = []
-    for i in np.nonzero(write | check)[0].tolist():
-        v = _cpu(local.views[i])
-        if write[i]:
-            mine.append(i)
-            to_write.append((chunk_name(rows["key"][i], rows["off"][i]), v))
-        else:
-            replica_crcs.append([i, replica_digest(block_crcs(tensor_bytes(v)))])
-    for pkey, views in local.per_rank_views.items():
-        prow = local.meta["per_rank"][pkey]["chunks"]
-        for i, v in enumerate(views):
-            if v.numel():
-                to_write.append((chunk_name(prow["key"][i], prow["off"][i], per_rank=True), _cpu(v)))
-    if not to_write:
+    check = _mask(assign["check"], n)
+    pool = _stage.pool()
+    if checked is None:
+        others = only_checked(local, assign)
+        checked = dict(zip(others, _stage.block_crcs_of([local.views[i] for i in others], pool)))
+    replica_crcs: list[list[Any]] = [[i, replica_digest(c)] for i, c in checked.items()]
+    mine, names, views = to_write(local, assign)
+    if not names:
         return {"file": None, "replicas": _replicas(replica_crcs)}
-    written = write_data_file(storage, fname, to_write)
+    srcs = _stage.sources(views, pool)
+    written = write_data_file(storage, fname, list(zip(names, srcs)))
     replica_crcs += [[i, replica_digest(w.crc32)] for i, w in zip(mine, written) if check[i]]
-    idx = index_bytes(fname, [(name, w) for (name, _), w in zip(to_write, written)])
+    idx = index_bytes(fname, [(name, w) for name, w in zip(names, written)])
     iname = index_name(fname)
     storage.write_file(iname, [idx])
     return {"file": fname, "size": storage.size(fname), "replicas": _replicas(replica_crcs),
@@ -193,6 +206,26 @@ def _plan_phase(comm: Comm, storage: Storage, local: _Local | None, error: BaseE
     return reply["save_id"], assign
 
 
+@dataclass(slots=True)
+class Planned:
+    """What phase 1 left for phases 2 and 3 on this rank."""
+
+    coord: Coordinator | None
+    existed: list[bool]
+    save_id: str
+    assign: dict[str, Any]
+
+
+def plan_save(comm: Comm, storage: Storage, local: _Local | None, error: BaseException | None,
+              overwrite: bool) -> Planned:
+    """Phase 1 (collective): this rank's assignment. Raises on every rank when any
+    rank failed to describe its state or the plan is refused."""
+    coord = Coordinator(comm.tag, comm.world) if comm.rank == 0 else None
+    existed = [False]
+    save_id, assign = _plan_phase(comm, storage, local, error, overwrite, coord, existed)
+    return Planned(coord, existed, save_id, assign)
+
+
 def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: BaseException | None, overwrite: bool,
                     after_commit: Any = None) -> None:
     """Phases 1-3 given this rank's described state (or the error describing it).
@@ -202,17 +235,31 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
     outcome, whatever the world size. ``after_commit`` runs on rank 0 right after
     the manifest is written (before any rank returns); if it returns a callable, that
     runs on rank 0 after every rank has returned from the commit (retention)."""
-    coord = Coordinator(comm.tag, comm.world) if comm.rank == 0 else None
-    existed = [False]
-    save_id, assign = _plan_phase(comm, storage, local, error, overwrite, coord, existed)
+    finish_save(comm, storage, plan_save(comm, storage, local, error, overwrite), local, None, after_commit)
+
+
+def finish_save(comm: Comm, storage: Storage, planned: Planned, local: _Local | None, error: BaseException | None,
+                after_commit: Any = None, stage: Any = None) -> None:
+    """Phases 2 and 3 (collective) after :func:`plan_save`. ``stage``, if given, runs
+    first (the overlapped copy): it returns the checksums of the replica rows another
+    rank writes; its error, like ``error`` or any write error, fails the save on
+    every rank before anything is committed."""
+    coord, existed, save_id, assign = planned.coord, planned.existed, planned.save_id, planned.assign
+    status, err = None, error
+    checked = None
+    if err is None and stage is not None:
+        try:
+            checked = stage()
+        except Exception as e:  # noqa: BLE001 - fanned out to every rank below
+            err = e
     _fire("planned")
     fname = data_file(comm.rank, save_id)
-    status, err = None, None
-    try:
-        status = write_rank(storage, fname, local, assign)  # type: ignore[arg-type]
-        _fire("written")
-    except Exception as e:  # noqa: BLE001 - fanned out to every rank below
-        err = e
+    if err is None:
+        try:
+            status = write_rank(storage, fname, local, assign, checked)  # type: ignore[arg-type]
+            _fire("written")
+        except Exception as e:  # noqa: BLE001 - fanned out to every rank below
+            err = e
     later: list[Any] = []
 
     def commit(statuses: list[Any]) -> list[None]:

@@ -44,6 +44,7 @@ from ._optim import (
     canonical_name,
     hyperparameters,
     param_names,
+    state_value,
     zeros_like_entry,
 )
 from .errors import ShardpointError
@@ -154,13 +155,14 @@ class PlainAdapter(Adapter):
         if self.optimizer is None:
             return []
         opt, saved, created = self.optimizer, OptimizerEntries(entries, select), []
-        for row in self._rows():
+        for group, row in zip(opt.param_groups, self._rows()):
             for fqn, p in row:
                 st = opt.state.get(p, {})
                 for name, (key, e) in saved.of(self._ckpt(fqn)).items():
                     if name not in st:
                         st = opt.state[p]  # only now: opt.state is a defaultdict
-                        st[name] = zeros_like_entry(key, e, p)
+                        # on the parameter's device and dtype (the optimizer's own rules), filled in place there
+                        st[name] = state_value(group, p, name, zeros_like_entry(key, e, p))
                         created.append(key)
         return created
 
@@ -186,10 +188,11 @@ class PlainAdapter(Adapter):
             if osd.get("param_groups") is not None:
                 apply_param_groups(opt.param_groups, osd["param_groups"], [[self._ckpt(f) for f, _ in r] for r in rows])
             saved_state = osd.get("state") or {}
-            for row in rows:
+            for group, row in zip(opt.param_groups, rows):
                 for fqn, p in row:
                     for name, v in (saved_state.get(self._ckpt(fqn)) or {}).items():
-                        opt.state[p][name] = v
+                        # what load_state_dict would do: device (and dtype) by the optimizer's rules
+                        opt.state[p][name] = state_value(group, p, name, v)
         self._load_names = None
 
     def finish_load(self) -> None:

@@ -61,6 +61,7 @@ def save(
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     overwrite: bool = False,
     blocking: bool = True,
+    overlap: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Save ``state`` to ``path``. Collective: every rank of ``process_group`` (default:
@@ -81,16 +82,25 @@ def save(
     Args:
         timeout: how long ranks wait for each other to arrive (not how long the save
             may take). Absent ranks are named in a :class:`CollectiveMismatchError`.
-        blocking: with False, return a handle as soon as the state is staged; the
-            write and commit continue in the background (``handle.wait()``).
+        blocking: with False, return a handle as soon as the state is staged (what
+            this rank writes copied to host memory); the write and commit continue
+            in the background (``handle.wait()``).
+        overlap: with ``blocking=False``, return before the copy too: it runs in
+            the background while your next forward and backward run. Each
+            optimizer in ``state`` waits for it at its next ``step()``; anything
+            else that changes a saved tensor in place must wait for
+            ``handle.wait_staged()`` first, or the save fails naming the key and
+            commits nothing (docs/async.md).
     """
     comm = Comm(process_group, timeout)
     storage = storage_for(path, storage_options)
     after_commit = after_commit_hook.get()
+    if overlap and blocking:
+        raise ValueError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
     if not blocking:
         from .asyncsave import save_async
 
-        return save_async(comm, storage, state, overwrite, after_commit)
+        return save_async(comm, storage, state, overwrite, after_commit, overlap=overlap)
     from .asyncsave import wait_in_flight
 
     wait_in_flight()  # one save at a time: an earlier async save commits (or raises) first

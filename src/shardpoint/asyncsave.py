@@ -1,10 +1,15 @@
 """Asynchronous save: stage, return, write and commit in the background.
 
-The call blocks only for the arrival check, the walk of the state and one copy
-of the local tensors into a staging buffer that is reused across saves (pinned
-host memory when the tensors live on a GPU). Planning, checksums, the replica
-check, the writes and the commit run in a background thread whose collectives
-use shardpoint's own gloo group, never the training group. One save is in flight
+The call blocks for the arrival check, the walk of the state, the plan (one round
+trip to rank 0) and one copy of what this rank writes into a staging buffer that
+is reused across saves (pinned host memory when the tensors live on a GPU);
+replica rows another rank writes are only checksummed, in place. With
+``overlap=True`` it does not wait for the copy either: the copy runs in the
+background while the caller's next forward and backward run, each optimizer in
+the state waits for it before its next step, and a tensor changed during the copy
+fails the save (docs/async.md). Checksums, the replica check, the writes and the
+commit run in a background thread whose collectives use shardpoint's own gloo
+group, never the training group. One save is in flight
 at a time; the next save (or :meth:`SaveHandle.wait`) waits for it and re-raises
 its error. The background thread holds the checkpoint channel's data lane (see
 :mod:`shardpoint.collective`): a load or a save waits for it, the per-step
@@ -28,11 +33,10 @@ from typing import Any
 
 import torch
 
-from ._save import _Local, describe, save_collective
+from . import _stage
+from ._save import _Local, describe, finish_save, only_checked, plan_save, to_write
 from .collective import Comm, close_channels
 from .storage import Storage
-
-_ALIGN = 64
 
 #: Seconds a save still in flight at interpreter exit gets to commit before it is
 #: abandoned (``SHARDPOINT_EXIT_GRACE``).
@@ -47,17 +51,40 @@ class SaveHandle:
         #: The training step, when :class:`CheckpointManager` started the save.
         self.step: int | None = None
         self._done = threading.Event()
+        self._staged = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._hooks: list[Any] = []
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
         return self._done.is_set()
 
+    def staged(self) -> bool:
+        """Whether the state's copy is taken: from then on the saved tensors may
+        change (always True once ``save`` returns, unless ``overlap=True``)."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the copy of the state is taken (``overlap=True``): after it,
+        changing the saved tensors no longer affects the save. Its errors surface on
+        :meth:`wait`."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"the overlapped save to {self.path} is still copying after {timeout}s")
+        self._release_hooks()
+
+    def _release_hooks(self) -> None:
+        """Remove the optimizer step pre-hooks (on the caller's thread: never while a
+        step iterates them)."""
+        hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is committed; re-raise its error if it failed."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"the asynchronous save to {self.path} is still running after {timeout}s")
+        self._release_hooks()
         self._join()
         global _in_flight
         if _in_flight is self:
@@ -77,40 +104,7 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, done={self.done()})"
 
 
-class _Staging:
-    """One reusable host buffer that holds a copy of the local tensors."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel()
-
-    def stage(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        offs, total = [], 0
-        for v in views:
-            offs.append(total)
-            total += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
-        on_gpu = any(v.device.type == "cuda" for v in views)
-        if self.buf is None or self.buf.numel() < total:
-            self.buf = None  # free the old one before allocating the new
-            self.buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_gpu and torch.cuda.is_available())
-        out = []
-        for v, off in zip(views, offs):
-            n = v.numel() * v.element_size()
-            if n == 0:
-                out.append(torch.empty(v.shape, dtype=v.dtype))
-                continue
-            dst = self.buf[off : off + n].view(v.dtype).view(v.shape)
-            dst.copy_(v.detach(), non_blocking=on_gpu)
-            out.append(dst)
-        if on_gpu:
-            torch.cuda.synchronize()
-        return out
-
-
-_staging = _Staging()
+_staging = _stage.Staging()
 _in_flight: SaveHandle | None = None
 
 
@@ -135,37 +129,138 @@ def staging_nbytes() -> int:
     return _staging.nbytes
 
 
-def save_async(comm: Comm, storage: Storage, state: Any, overwrite: bool, after_commit: Any) -> SaveHandle:
-    """Stage ``state`` and continue the save in the background."""
+def save_async(comm: Comm, storage: Storage, state: Any, overwrite: bool, after_commit: Any,
+               overlap: bool = False) -> SaveHandle:
+    """Plan, stage what this rank writes (``overlap``: in the background, guarded),
+    and continue the save in the background."""
     global _in_flight
     wait_in_flight()
     comm.arrive("save", storage.url)
+    handle = SaveHandle(storage.url)
     local: _Local | None = None
     err: BaseException | None = None
     try:
         local = describe(state, comm.rank)
-        staged = _staging.stage(local.views + [v for vs in local.per_rank_views.values() for v in vs])
-        n = len(local.views)
-        local.views = staged[:n]
-        pos = n
-        for k, vs in local.per_rank_views.items():
-            local.per_rank_views[k] = staged[pos : pos + len(vs)]
-            pos += len(vs)
-    except Exception as e:  # noqa: BLE001 - fanned out in the background
-        local, err = None, e
-    handle = SaveHandle(storage.url)
+    except Exception as e:  # noqa: BLE001 - fanned out by the plan
+        err = e
+    try:
+        planned = plan_save(comm, storage, local, err, overwrite)
+    except Exception as e:  # noqa: BLE001 - surfaced on wait(), as every error of an asynchronous save
+        handle._error = e
+        handle._staged.set()
+        handle._done.set()
+        _in_flight = handle
+        return handle
+    assert local is not None
+    stage = _Stage(local, planned.assign)
+    checked = None
+    if overlap:
+        stage.guard()
+        handle._hooks = _hook_optimizers(state, handle)
+    else:
+        try:
+            checked = stage()
+        except Exception as e:  # noqa: BLE001 - fanned out in the background
+            err = e
+        handle._staged.set()
 
     def run() -> None:
         try:
-            save_collective(comm, storage, local, err, overwrite, after_commit)
+            if overlap:
+                def staged() -> dict[int, list[int]]:
+                    try:
+                        return stage()
+                    finally:
+                        handle._staged.set()
+
+                finish_save(comm, storage, planned, local, None, after_commit, stage=staged)
+            else:
+                finish_save(comm, storage, planned, local, err, after_commit, stage=lambda: checked)
         except BaseException as e:  # noqa: BLE001 - surfaced on wait()
             handle._error = e
         finally:
+            handle._staged.set()
             handle._done.set()
 
     _in_flight = handle
     handle._thread = comm.start_background(run, "shardpoint-save")
     return handle
+
+
+class _Stage:
+    """Staging by need: copy the rows this rank writes (and its per-rank values)
+    into the reused staging buffer, checksum the replica rows another rank writes
+    where they are, and put the copies in place of the live views."""
+
+    def __init__(self, local: _Local, assign: dict[str, Any]) -> None:
+        self.local, self.assign = local, assign
+        self.mine, names, self.views = to_write(local, assign)
+        self.others = only_checked(local, assign)
+        rows = local.meta["chunks"]
+        # a per-rank chunk's name is "/per_rank/<key>@<offsets>": the key is what a message names
+        self.keys = [rows["key"][i] for i in self.mine]
+        self.keys += [n.removeprefix("/per_rank/").rsplit("@", 1)[0] for n in names[len(self.mine) :]]
+        self.keys += [rows["key"][i] for i in self.others]
+        self.before: list[int | None] | None = None
+        self.after: dict[Any, Any] = {}
+
+    def guard(self) -> None:
+        """Before returning to the caller (overlap): take the version counters and
+        mark the caller's streams, so the background copy reads the state as of now
+        and fails if it changed."""
+        self.before = _stage.versions(self.views + [self.local.views[i] for i in self.others])
+        self.after = _stage.mark(self.views + [self.local.views[i] for i in self.others])
+
+    def __call__(self) -> dict[int, list[int]]:
+        after = self.after or _stage.mark(self.views)
+        dsts = _staging.allocate(self.views)
+        _stage.copy_into(dsts, self.views, after)
+        checked = dict(zip(self.others, _stage.block_crcs_of([self.local.views[i] for i in self.others], _stage.pool())))
+        if self.before is not None:
+            _stage.check_versions(self.keys, self.views + [self.local.views[i] for i in self.others], self.before)
+        pos = {id(v): d for v, d in zip(self.views, dsts)}
+        lv = self.local.views
+        for i in self.mine:
+            lv[i] = pos.get(id(lv[i]), lv[i])
+        for k, vs in self.local.per_rank_views.items():
+            self.local.per_rank_views[k] = [pos.get(id(v), v) for v in vs]
+        return checked
+
+
+def _optimizers(obj: Any, depth: int = 0, out: list[Any] | None = None) -> list[Any]:
+    """The torch optimizers in a state: in its containers, and a TrainState's (or any
+    owner's) ``optimizer``."""
+    out = [] if out is None else out
+    if depth > 6:
+        return out
+    if isinstance(obj, torch.optim.Optimizer):
+        if not any(o is obj for o in out):
+            out.append(obj)
+        return out
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _optimizers(v, depth + 1, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _optimizers(v, depth + 1, out)
+    else:
+        opt = getattr(obj, "optimizer", None)
+        if opt is not None:
+            _optimizers(opt, depth + 1, out)
+        extra = getattr(obj, "extra", None)
+        if isinstance(extra, dict):
+            _optimizers(extra, depth + 1, out)
+    return out
+
+
+def _hook_optimizers(state: Any, handle: SaveHandle) -> list[Any]:
+    """A step pre-hook on each optimizer in ``state`` that waits until the overlapped
+    copy is taken: the step is the first thing that changes what the save copies."""
+
+    def wait_for_copy(*_: Any) -> None:
+        handle._staged.wait()
+
+    return [opt.register_step_pre_hook(wait_for_copy) for opt in _optimizers(state)]
 
 
 def _at_exit() -> None:

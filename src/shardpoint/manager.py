@@ -174,14 +174,14 @@ class CheckpointManager:
         return bool(self.list())
 
     # -- save -----------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, blocking: bool = True) -> Any:
+    def save(self, state: Any, step: int, *, blocking: bool = True, overlap: bool = False) -> Any:
         """Save ``state`` as step ``step``. Collective. After the commit, ``latest``
         points at it and retention runs (rank 0), deleting only committed checkpoints
         the policy does not keep (never the new one nor the one restored from) and
         leftovers of saves that never committed.
 
-        With ``blocking=False`` returns a handle (see :func:`shardpoint.save`); call
-        :meth:`wait` before the process group is torn down."""
+        With ``blocking=False`` returns a handle (see :func:`shardpoint.save`, and its
+        ``overlap``); call :meth:`wait` before the process group is torn down."""
         self.wait()
         name = self.step_dir(step)
         target = self.storage.child(name)
@@ -193,7 +193,7 @@ class CheckpointManager:
         token = _save.after_commit_hook.set(after_commit)
         try:
             handle = save(state, target, process_group=self.process_group, timeout=self.timeout,
-                          overwrite=True, blocking=blocking)
+                          overwrite=True, blocking=blocking, overlap=overlap)
         finally:
             _save.after_commit_hook.reset(token)
         if not blocking:

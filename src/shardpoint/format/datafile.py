@@ -8,6 +8,7 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,12 +90,14 @@ def block_crcs(view: memoryview, block: int = CRC_BLOCK) -> list[int]:
     return [crc32(view[i : i + block]) for i in range(0, len(view), block)]
 
 
-def write_data_file(storage: Storage, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[WrittenChunk]:
-    """Write ``tensors`` (name, contiguous CPU tensor) as one safetensors file.
+def write_data_file(storage: Storage, name: str, tensors: Sequence[tuple[str, Any]]) -> list[WrittenChunk]:
+    """Write ``tensors`` (name, contiguous CPU tensor or a source with ``dtype``,
+    ``shape``, ``numel()``, ``element_size()`` and ``pieces()``, the bytes in order) as
+    one safetensors file.
 
     The header is computed first from shapes alone, then each tensor's bytes are
-    streamed straight from its memory with no intermediate copy, checksummed block
-    by block as they go. The file is durable when this returns.
+    streamed straight from its memory (or its source's pieces) with no intermediate
+    copy, checksummed block by block as they go. The file is durable when this returns.
     """
     header: dict[str, object] = {"__metadata__": {"format": "shardpoint"}}
     pos = 0
@@ -113,14 +116,25 @@ def write_data_file(storage: Storage, name: str, tensors: Sequence[tuple[str, to
 
     def parts() -> Iterator[memoryview | bytes]:
         yield struct.pack("<Q", len(hb)) + hb
-        for _tname, t in tensors:
-            view = tensor_bytes(t)
-            these = []
-            for i in range(0, max(len(view), 1), CRC_BLOCK):
-                piece = view[i : i + CRC_BLOCK]
-                these.append(crc32(piece))
-                if len(piece):
+        for (tname, t), n in zip(tensors, lengths):
+            these: list[int] = []
+            crc, filled, seen = 0, 0, 0
+            for view in (t.pieces() if hasattr(t, "pieces") else (tensor_bytes(t),)):
+                i = 0
+                while i < len(view):  # pieces cut at CRC block boundaries
+                    piece = view[i : i + CRC_BLOCK - filled]
+                    crc = crc32(piece, crc)
+                    filled += len(piece)
+                    i += len(piece)
                     yield piece
+                    if filled == CRC_BLOCK:
+                        these.append(crc)
+                        crc, filled = 0, 0
+                seen += len(view)
+            if seen != n:  # pragma: no cover - a source that lied about its size
+                raise ValueError(f"{tname}: {seen} bytes streamed, {n} expected")
+            if filled or not these:
+                these.append(crc)
             crcs.append(these)
 
     storage.write_file(name, parts())
