@@ -25,6 +25,7 @@ import torch
 
 from ._coordinator import Coordinator, layout_message, layout_of, make_plan, replica_digest, values_of  # noqa: F401 - make_plan: plan_bench
 from .collective import Comm, coordinate
+from ._incremental import check_refs
 from .errors import ShardpointError
 from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
 from .format.index import chunk_name, digest, index_bytes, index_name
@@ -41,6 +42,8 @@ class _Local:
     meta: dict[str, Any]
     views: list[torch.Tensor] = field(default_factory=list)  # one per chunk row, in meta order
     per_rank_views: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: An incremental session (:mod:`shardpoint._incremental`): chunks it finds unchanged are referenced, not written.
+    incremental: Any = None
 
 
 def _describe_tree(w: Walk, views: list[torch.Tensor], rows: dict[str, list]) -> dict[str, Any]:
@@ -87,6 +90,7 @@ def describe(state: Any, rank: int) -> _Local:
         raise ShardpointError(str(e)) from None
     meta["per_rank"] = per_rank
     local.meta = meta
+    local.incremental = incremental_hook.get()
     return local
 
 
@@ -113,34 +117,56 @@ def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, An
     """Phase 2 on one rank: write the chunk rows ``assign`` gives this rank and all of
     its per-rank values' chunks to ``fname`` with their index object beside it;
     return the file's size, the index's record, and the checksums of the replica rows
-    ``assign`` asks to check."""
+    ``assign`` asks to check. With an incremental session, a chunk it finds unchanged
+    is not written: the index refers to where an earlier save wrote it."""
     rows = local.meta["chunks"]
     n = len(local.views)
+    inc = local.incremental
     write, check = _mask(assign["write"], n), _mask(assign["check"], n)
     to_write: list[tuple[str, torch.Tensor]] = []
+    refs: list[tuple[str, Any, str]] = []
     mine: list[int] = []
     replica_crcs: list[list[Any]] = []
     for i in np.nonzero(write | check)[0].tolist():
         v = _cpu(local.views[i])
         if write[i]:
+            name = chunk_name(rows["key"][i], rows["off"][i])
+            loc = inc.decide(name, local.views[i], v) if inc is not None else None
+            if loc is not None:
+                refs.append((name, loc, loc.ref))
+                if check[i]:
+                    replica_crcs.append([i, replica_digest(loc.crc32)])
+                continue
             mine.append(i)
-            to_write.append((chunk_name(rows["key"][i], rows["off"][i]), v))
+            to_write.append((name, v))
         else:
             replica_crcs.append([i, replica_digest(block_crcs(tensor_bytes(v)))])
     for pkey, views in local.per_rank_views.items():
         prow = local.meta["per_rank"][pkey]["chunks"]
         for i, v in enumerate(views):
             if v.numel():
-                to_write.append((chunk_name(prow["key"][i], prow["off"][i], per_rank=True), _cpu(v)))
-    if not to_write:
+                name, cv = chunk_name(prow["key"][i], prow["off"][i], per_rank=True), _cpu(v)
+                loc = inc.decide(name, v, cv) if inc is not None else None
+                if loc is not None:
+                    refs.append((name, loc, loc.ref))
+                else:
+                    to_write.append((name, cv))
+    if not to_write and not refs:
         return {"file": None, "replicas": _replicas(replica_crcs)}
     written = write_data_file(storage, fname, to_write)
     replica_crcs += [[i, replica_digest(w.crc32)] for i, w in zip(mine, written) if check[i]]
-    idx = index_bytes(fname, [(name, w) for (name, _), w in zip(to_write, written)])
+    chunks = [(name, w) for (name, _), w in zip(to_write, written)]
+    idx = index_bytes(fname, chunks, refs)
     iname = index_name(fname)
     storage.write_file(iname, [idx])
-    return {"file": fname, "size": storage.size(fname), "replicas": _replicas(replica_crcs),
-            "index": {"name": iname, "size": len(idx), "sha256": digest(idx)}}
+    size = storage.size(fname)
+    status = {"file": fname, "size": size, "replicas": _replicas(replica_crcs),
+              "index": {"name": iname, "size": len(idx), "sha256": digest(idx)}}
+    if inc is not None:
+        inc.wrote(fname, size, chunks)
+        if inc.refs:
+            status["refs"] = inc.refs
+    return status
 
 
 def _replicas(pairs: list[list[Any]]) -> list[list[int]]:
@@ -224,6 +250,11 @@ def save_collective(comm: Comm, storage: Storage, local: _Local | None, error: B
             except ShardpointError:
                 old = []
         manifest = coord.manifest(statuses)
+        for st in statuses:
+            for ref, info in (st.get("refs") or {}).items():
+                r = manifest.refs.setdefault(ref, {"size": info["size"], "bytes": 0})
+                r["bytes"] += info["bytes"]
+        check_refs(storage, manifest.refs)
         _fire("before_commit")
         storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
         _fire("committed")
@@ -272,6 +303,11 @@ phase_hook: Any = None
 #: if callable, runs on rank 0 after every rank has returned from the commit
 #: (retention, out of the commit window).
 after_commit_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("after_commit_hook", default=None)
+
+
+#: Set by CheckpointManager(incremental=True) around a save: this rank's
+#: :class:`~shardpoint._incremental.Session`, taken by :func:`describe`.
+incremental_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("incremental_hook", default=None)
 
 
 def _fire(phase: str) -> None:
