@@ -63,6 +63,19 @@ def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] |
     return out
 
 
+def drop(sub: Storage, still: set[str] | None) -> None:
+    """Delete the step folder ``sub``, except the data files in ``still`` (which kept
+    checkpoints refer to). The manifest goes first: a half-deleted folder is never
+    taken for a checkpoint, and a kill at any moment leaves every referenced file."""
+    sub.remove(MANIFEST_NAME)
+    if not still:
+        sub.remove_all()
+        return
+    for f in sub.list():
+        if f not in still:
+            sub.remove(f)
+
+
 class CheckpointManager:
     """Saves numbered checkpoints under ``root`` and finds them again.
 
@@ -287,15 +300,21 @@ class CheckpointManager:
                 continue
             if int(m.group(1)) in keep and name in committed_names:
                 continue
-            sub = self.storage.child(name)
-            sub.remove(MANIFEST_NAME)  # uncommit first: a half-deleted folder is never taken for a checkpoint
-            still = needed.get(name)
-            if not still:
-                sub.remove_all()
-                continue
-            for f in sub.list():  # keep only the data files a kept checkpoint refers to
-                if f not in still:
-                    sub.remove(f)
+            drop(self.storage.child(name), needed.get(name))
+
+    def export(self, dest: PathLike, step: int | None = None, *, overwrite: bool = False) -> str:
+        """Write a self-contained copy of checkpoint ``step`` (default: :meth:`latest`)
+        to ``dest``: the chunks it stores by reference are copied in (CRC-checked), so
+        the copy loads, verifies and converts with nothing beside it. Not collective;
+        returns ``dest``'s URL. The same as ``shardpoint export ROOT/step-N DEST``."""
+        from ._export import export_checkpoint
+
+        info = self.latest() if step is None else self._info(self.step_dir(step))
+        if info is None or info.damaged:
+            raise CheckpointNotFoundError(f"no sound committed checkpoint for step {step} under {self.root}")
+        dst = storage_for(dest, self._storage_options)
+        export_checkpoint(self.storage.child(self.step_dir(info.step)), dst, overwrite=overwrite)
+        return dst.url
 
     # -- restore --------------------------------------------------------------------
     def restore(
