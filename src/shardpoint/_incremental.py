@@ -7,8 +7,10 @@ committed save kept in this process (nothing is cached across processes: a new
 process's first save writes everything):
 
 * Different length, or no record: changed.
-* **Version proof** (same storage, same data pointer, same ``tensor._version``,
-  shape, strides and dtype as when recorded; frozen parameters qualify): compare
+* **Version proof** (the same storage, which the record keeps alive so its address
+  cannot be reused by a new tensor, same data pointer, same ``tensor._version``,
+  shape, strides and dtype as when recorded; frozen parameters, and the detached
+  views ``state_dict()`` returns of them, qualify): compare
   the chunk's CRC-32 blocks with the recorded ones, stopping at the first that
   differs. The proof only picks this cheaper comparison; it never skips reading
   the bytes, because ``p.data.add_(1)`` (and numpy views, and writes from C
@@ -47,13 +49,19 @@ DIGEST_BYTES = 16
 
 
 def _proof(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What must be unchanged for the version proof: storage, pointer, version
-    counter, geometry and dtype of the live tensor (None when it has none)."""
+    """What must be unchanged for the version proof: the storage itself (its first
+    item is the storage object, which the record holds so that no new tensor can be
+    allocated at the same place while the record lives), pointer, version counter,
+    geometry and dtype of the live tensor (None when it has none)."""
     try:
-        return (t.untyped_storage().data_ptr(), t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()),
-                t.dtype, t.device)
-    except (RuntimeError, NotImplementedError):  # tensors without storage (some subclasses)
+        st = t.untyped_storage()
+        return (st, st._cdata, t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    except (RuntimeError, NotImplementedError, AttributeError):  # tensors without storage (some subclasses)
         return None
+
+
+def _same(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
+    return a is not None and b is not None and a[1:] == b[1:]
 
 
 def _digest(view: memoryview) -> bytes:
@@ -111,7 +119,7 @@ class Session:
         if same:
             assert rec is not None
             same = _crcs_equal(view, rec.crc32, self.block)
-            if same and (proof is None or proof != rec.proof):  # no version proof: a 128-bit digest decides
+            if same and not _same(proof, rec.proof):  # no version proof: a 128-bit digest decides
                 digest = _digest(view)
                 same = rec.digest is not None and digest == rec.digest
         if not same:
