@@ -22,7 +22,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn

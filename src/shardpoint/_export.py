@@ -62,7 +62,7 @@ def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) ->
         base = 8 + len(hb)
         block = m.crc_block
 
-        def parts(order: list[Any] = order, hb: bytes = hb) -> Iterator[bytes | bytearray]:
+        def parts(order: list[Any] = order, hb: bytes = hb, fname: str = fname, block: int = block) -> Iterator[bytes | bytearray]:
             yield struct.pack("<Q", len(hb)) + hb
             for name, loc in order:
                 where = loc.ref or fname

@@ -16,8 +16,8 @@ from .errors import CorruptCheckpointError, KeyMismatchError, ShardpointError
 from .format import layouts
 from .format.datafile import crc32, dtype_from_name, itemsize_of
 from .format.index import Located, chunk_name, parse_index
-from .format.refs import with_refs
 from .format.manifest import Manifest, Tree, decode_value, read_manifest  # noqa: F401 - re-exported
+from .format.refs import with_refs
 from .layout import chunks_of
 from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
 from .report import LoadReport

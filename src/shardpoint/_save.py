@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ._coordinator import Coordinator, layout_message, layout_of, make_plan, replica_digest, values_of  # noqa: F401 - make_plan: plan_bench
-from .collective import Comm, coordinate
 from ._incremental import check_refs
+from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import block_crcs, dtype_name, tensor_bytes, write_data_file
 from .format.index import chunk_name, digest, index_bytes, index_name

@@ -12,10 +12,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import _save
+from ._incremental import Tracker
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.digest import is_sealed, seal, unseal
-from ._incremental import Tracker
 from .format.manifest import MANIFEST_NAME, read_manifest
 from .format.refs import split_ref
 from .report import LoadReport
