@@ -288,18 +288,17 @@ class CheckpointManager:
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
         committed_names = {self.step_dir(i.step) for i in committed}
+        doomed = [name for name in self.storage.list_dirs() if (m := _STEP.match(name)) and int(m.group(1)) != newest
+                  and not (int(m.group(1)) in keep and name in committed_names)]
+        if not doomed:
+            return
         kept = [self.step_dir(i.step) for i in committed if i.step in keep] + [self.step_dir(newest)]
         needed = referenced_files(self.storage, kept)
         if needed is None:
             warnings.warn(f"shardpoint: retention under {self.root} skipped: a kept checkpoint's manifest cannot be "
                           "read, so which data it refers to is unknown", stacklevel=2)
             return
-        for name in self.storage.list_dirs():
-            m = _STEP.match(name)
-            if not m or int(m.group(1)) == newest:
-                continue
-            if int(m.group(1)) in keep and name in committed_names:
-                continue
+        for name in doomed:
             drop(self.storage.child(name), needed.get(name))
 
     def export(self, dest: PathLike, step: int | None = None, *, overwrite: bool = False) -> str:
