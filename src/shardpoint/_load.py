@@ -17,6 +17,7 @@ from .format import layouts
 from .format.datafile import crc32, dtype_from_name, itemsize_of
 from .format.index import Located, chunk_name, parse_index
 from .format.manifest import Manifest, Tree, decode_value, read_manifest  # noqa: F401 - re-exported
+from .format.refs import with_refs
 from .layout import chunks_of
 from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
 from .report import LoadReport
@@ -53,6 +54,9 @@ class Reader:
     targets: list[_Target] = field(default_factory=list)
     _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
     _devices: set[torch.device] = field(default_factory=set)  # CUDA devices with copies in flight
+
+    def __post_init__(self) -> None:
+        self.storage = with_refs(self.storage, self.manifest)  # a reference reads from its sibling folder
 
     @property
     def crc_block(self) -> int:
@@ -163,7 +167,7 @@ class Reader:
             raise CorruptCheckpointError(
                 f"key {key!r}: chunk {name!r} is not in the index of {fname}; the checkpoint is damaged"
             )
-        return {"offsets": off, "sizes": size, "file": fname, "offset": loc.offset, "length": loc.length,
+        return {"offsets": off, "sizes": size, "file": loc.ref or fname, "offset": loc.offset, "length": loc.length,
                 "crc32": loc.crc32}
 
     def _read_staged(self, key: str, chunk: dict[str, Any], lo: int, hi: int) -> tuple[bytearray, int]:
@@ -237,7 +241,7 @@ def read_index(storage: Storage, manifest: Manifest, fname: str) -> dict[str, Lo
     except (CorruptCheckpointError, OSError) as e:
         raise CorruptCheckpointError(f"the index {where} of {fname} cannot be read ({e}); the checkpoint is damaged") from None
     return parse_index(data, data_file=fname, expect=rec, file_size=manifest.files[fname]["size"],
-                       block=manifest.crc_block, where=where)
+                       block=manifest.crc_block, where=where, refs=manifest.refs)
 
 
 def saved_chunks(manifest: Manifest, entry: dict[str, Any], shape: tuple[int, ...]) -> list[tuple[Any, Any, Any]]:

@@ -25,6 +25,7 @@ import torch
 
 from . import _stage
 from ._coordinator import Coordinator, layout_message, layout_of, make_plan, replica_digest, values_of  # noqa: F401 - make_plan: plan_bench
+from ._incremental import check_refs
 from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import dtype_name, write_data_file
@@ -42,6 +43,8 @@ class _Local:
     meta: dict[str, Any]
     views: list[torch.Tensor] = field(default_factory=list)  # one per chunk row, in meta order
     per_rank_views: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: An incremental session (:mod:`shardpoint._incremental`): chunks it finds unchanged are referenced, not written.
+    incremental: Any = None
 
 
 def _describe_tree(w: Walk, views: list[torch.Tensor], rows: dict[str, list]) -> dict[str, Any]:
@@ -88,6 +91,7 @@ def describe(state: Any, rank: int) -> _Local:
         raise ShardpointError(str(e)) from None
     meta["per_rank"] = per_rank
     local.meta = meta
+    local.incremental = incremental_hook.get()
     return local
 
 
@@ -135,7 +139,9 @@ def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, An
     Only what this rank writes is staged (:mod:`shardpoint._stage`): CPU tensors are
     written from their own memory, device tensors through a fixed pool of host slots
     (copy of the next piece overlapping the write of this one). Replica rows another
-    rank writes are checksummed in place, or streamed through the same pool."""
+    rank writes are checksummed in place, or streamed through the same pool.
+    With an incremental session, a chunk it finds unchanged is not written: the index
+    refers to where an earlier save wrote it."""
     n = len(local.views)
     check = _mask(assign["check"], n)
     pool = _stage.pool()
@@ -144,16 +150,44 @@ def write_rank(storage: Storage, fname: str, local: _Local, assign: dict[str, An
         checked = dict(zip(others, _stage.block_crcs_of([local.views[i] for i in others], pool)))
     replica_crcs: list[list[Any]] = [[i, replica_digest(c)] for i, c in checked.items()]
     mine, names, views = to_write(local, assign)
-    if not names:
+    rows_of: list[int | None] = [*mine, *[None] * (len(names) - len(mine))]  # per-rank chunks have no row
+    inc = local.incremental
+    refs: list[tuple[str, Any, str]] = []
+    if inc is not None:
+        kept: list[tuple[int | None, str, torch.Tensor]] = []
+        for row, name, v in zip(rows_of, names, views):
+            loc = inc.decide(name, v, _host(v))
+            if loc is None:
+                kept.append((row, name, v))
+                continue
+            refs.append((name, loc, loc.ref))
+            if row is not None and check[row]:
+                replica_crcs.append([row, replica_digest(loc.crc32)])
+        rows_of, names, views = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
+    if not names and not refs:
         return {"file": None, "replicas": _replicas(replica_crcs)}
     srcs = _stage.sources(views, pool)
     written = write_data_file(storage, fname, list(zip(names, srcs)))
-    replica_crcs += [[i, replica_digest(w.crc32)] for i, w in zip(mine, written) if check[i]]
-    idx = index_bytes(fname, [(name, w) for name, w in zip(names, written)])
+    replica_crcs += [[i, replica_digest(w.crc32)] for i, w in zip(rows_of, written) if i is not None and check[i]]
+    chunks = list(zip(names, written))
+    idx = index_bytes(fname, chunks, refs)
     iname = index_name(fname)
     storage.write_file(iname, [idx])
-    return {"file": fname, "size": storage.size(fname), "replicas": _replicas(replica_crcs),
-            "index": {"name": iname, "size": len(idx), "sha256": digest(idx)}}
+    size = storage.size(fname)
+    status = {"file": fname, "size": size, "replicas": _replicas(replica_crcs),
+              "index": {"name": iname, "size": len(idx), "sha256": digest(idx)}}
+    if inc is not None:
+        inc.wrote(fname, size, chunks)
+        if inc.refs:
+            status["refs"] = inc.refs
+    return status
+
+
+def _host(v: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU view of a chunk, for the incremental comparison (a copy only for
+    device or strided tensors)."""
+    v = v.detach()
+    return v if v.device.type == "cpu" and v.is_contiguous() else v.to("cpu").contiguous()
 
 
 def _replicas(pairs: list[list[Any]]) -> list[list[int]]:
@@ -271,6 +305,11 @@ def finish_save(comm: Comm, storage: Storage, planned: Planned, local: _Local | 
             except ShardpointError:
                 old = []
         manifest = coord.manifest(statuses)
+        for st in statuses:
+            for ref, info in (st.get("refs") or {}).items():
+                r = manifest.refs.setdefault(ref, {"size": info["size"], "bytes": 0})
+                r["bytes"] += info["bytes"]
+        check_refs(storage, manifest.refs)
         _fire("before_commit")
         storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
         _fire("committed")
@@ -319,6 +358,11 @@ phase_hook: Any = None
 #: if callable, runs on rank 0 after every rank has returned from the commit
 #: (retention, out of the commit window).
 after_commit_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("after_commit_hook", default=None)
+
+
+#: Set by CheckpointManager(incremental=True) around a save: this rank's
+#: :class:`~shardpoint._incremental.Session`, taken by :func:`describe`.
+incremental_hook: contextvars.ContextVar[Any] = contextvars.ContextVar("incremental_hook", default=None)
 
 
 def _fire(phase: str) -> None:

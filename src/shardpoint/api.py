@@ -284,7 +284,8 @@ class Metadata:
     tensors: dict[str, TensorInfo]
     values: dict[str, Any]
     per_rank: dict[str, list[int]]  # key -> ranks that saved a value
-    nbytes: int
+    nbytes: int  # bytes of the checkpoint's own data files
+    referenced: int = 0  # bytes of chunks stored by reference in earlier checkpoints' files (incremental saves)
 
 
 def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
@@ -307,7 +308,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
             per_rank[k] = sorted(int(r) for r in e["ranks"])
     return Metadata(
         world_size=m.world_size, created=datetime.fromtimestamp(m.created, tz=timezone.utc), version=m.version,
-        tensors=tensors, values=values, per_rank=per_rank, nbytes=sum(f["size"] for f in m.files.values()),
+        tensors=tensors, values=values, per_rank=per_rank, nbytes=m.own_bytes(), referenced=m.referenced_bytes(),
     )
 
 

@@ -22,6 +22,7 @@ _EXAMPLES = {
     "inspect": "example:\n  shardpoint inspect runs/exp1/ckpt/step-00001000\n  shardpoint inspect CKPT --json",
     "verify": "example:\n  shardpoint verify runs/exp1/ckpt/step-00001000 && echo sound",
     "diff": "example:\n  shardpoint diff ckpt/step-00001000 ckpt/step-00002000\n  shardpoint diff A B --atol 1e-6 --json",
+    "export": "example:\n  shardpoint export runs/exp1/ckpt/step-00001000 archive/step-1000   # no references left in the copy",
     "prune": "example:\n  shardpoint prune runs/exp1/ckpt --keep-last 3 --keep-every 1000 --dry-run",
     "convert": (
         "examples:\n"
@@ -72,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="also delete step folders that never committed (only when no save is running)")
     pr.add_argument("--dry-run", action="store_true", help="print what would be deleted and delete nothing")
 
+    exp = cmd("export", "copy one checkpoint to a self-contained folder: chunks stored by reference are copied in")
+    exp.add_argument("src")
+    exp.add_argument("dst")
+    exp.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+
     conv = cmd("convert", "convert a checkpoint between shardpoint and DeepSpeed, DCP, torch.save or HF safetensors")
     conv.add_argument("src")
     conv.add_argument("dst")
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
 
     handler: Callable[[argparse.Namespace], int] = {
-        "ls": _ls, "inspect": _inspect, "info": _inspect, "verify": _verify, "diff": _diff, "prune": _prune,
+        "ls": _ls, "inspect": _inspect, "info": _inspect, "verify": _verify, "diff": _diff, "prune": _prune, "export": _export,
         "convert": _convert,
     }[args.cmd]
     try:
@@ -170,11 +176,11 @@ def _ls(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title=f"checkpoints under {args.root}")
-    for c in ("step", "time (UTC)", "size", "world size", "status", "latest"):
-        t.add_column(c, justify="right" if c in ("step", "size", "world size") else "left")
+    for c in ("step", "time (UTC)", "size", "referenced", "world size", "status", "latest"):
+        t.add_column(c, justify="right" if c in ("step", "size", "referenced", "world size") else "left")
     for r in rows:
-        t.add_row(str(r["step"]), r["time"] or "-", _human(r["size"]), str(r["world_size"] or "-"), r["status"],
-                  "<- latest" if r["latest"] else "")
+        t.add_row(str(r["step"]), r["time"] or "-", _human(r["size"]), _human(r["referenced"]) if r["referenced"] else "-",
+                  str(r["world_size"] or "-"), r["status"], "<- latest" if r["latest"] else "")
     _console().print(t)
     if not rows:
         print(f"no step-* folders under {args.root}")
@@ -186,13 +192,14 @@ def _checkpoints(root: str) -> list[dict[str, Any]]:
 
     from .errors import CheckpointNotFoundError
     from .format.manifest import MANIFEST_NAME
-    from .manager import CheckpointManager
+    from .manager import CheckpointManager, referenced_files
 
     if "://" not in root and not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory")
     mgr = CheckpointManager(root)
     committed = {i.step: i for i in mgr.list()}
     latest = mgr.latest()
+    needed = referenced_files(mgr.storage, [mgr.step_dir(s) for s, i in committed.items() if not i.damaged]) or {}
     rows = []
     for name in mgr.storage.list_dirs():
         m = re.fullmatch(r"step-(\d+)", name)
@@ -202,12 +209,14 @@ def _checkpoints(root: str) -> list[dict[str, Any]]:
         info = committed.get(step)
         if info is not None:
             rows.append({"step": step, "path": info.path, "time": info.time.strftime("%Y-%m-%d %H:%M:%S"),
-                         "size": info.size, "world_size": info.world_size, "status": "committed",
-                         "latest": latest is not None and latest.step == step})
+                         "size": info.size, "referenced": info.referenced, "world_size": info.world_size,
+                         "status": "committed", "latest": latest is not None and latest.step == step})
         else:
             status = "unreadable manifest" if mgr.storage.child(name).exists(MANIFEST_NAME) else "incomplete"
+            if status == "incomplete" and name in needed:
+                status = "referenced data only"  # retention dropped it; kept checkpoints still read these files
             rows.append({"step": step, "path": mgr.storage.child(name).url, "time": None, "size": None,
-                         "world_size": None, "status": status, "latest": False})
+                         "referenced": None, "world_size": None, "status": status, "latest": False})
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -233,7 +242,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "path": args.path, "format_version": m.version, "world_size": m.world_size, "created": m.created.isoformat(),
-            "nbytes": m.nbytes,
+            "nbytes": m.nbytes, "referenced_nbytes": m.referenced,
             "tensors": {k: {"shape": list(t.shape), "dtype": _dtype(t.dtype), "nbytes": t.nbytes,
                             "sharding": _sharding(t.shape, t.chunks),
                             "chunks": [{"offsets": list(o), "sizes": list(s)} for o, s in t.chunks]}
@@ -247,7 +256,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.tree import Tree
 
     tree = Tree(f"{escape(args.path)}: format v{m.version}, saved by {m.world_size} rank(s) at "
-                f"{m.created.strftime('%Y-%m-%d %H:%M:%S')} UTC, {_human(m.nbytes)} in files")
+                f"{m.created.strftime('%Y-%m-%d %H:%M:%S')} UTC, {_human(m.nbytes)} in files"
+                + (f", {_human(m.referenced)} by reference to earlier checkpoints" if m.referenced else ""))
     nodes: dict[tuple[Any, ...], Any] = {(): tree}
 
     def parent(path: tuple[Any, ...]) -> Any:
@@ -371,9 +381,17 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 # -- prune --------------------------------------------------------------------------------------------
+def _export(args: argparse.Namespace) -> int:
+    from ._export import export_checkpoint
+    from .storage import storage_for
+
+    export_checkpoint(storage_for(args.src), storage_for(args.dst), overwrite=args.overwrite)
+    print(f"exported {args.src} -> {args.dst} (self-contained)")
+    return OK
+
+
 def _prune(args: argparse.Namespace) -> int:
-    from .format.manifest import MANIFEST_NAME
-    from .manager import CheckpointManager
+    from .manager import CheckpointManager, drop, referenced_files
 
     if args.keep_last < 1 or (args.keep_every is not None and args.keep_every < 1):
         _err("--keep-last and --keep-every must be at least 1")
@@ -388,12 +406,15 @@ def _prune(args: argparse.Namespace) -> int:
               or (r["status"] != "committed" and args.incomplete)]
     mgr = CheckpointManager(args.root)
     verb = "would remove" if args.dry_run else "removed"
+    needed = referenced_files(mgr.storage, [mgr.step_dir(s) for s in committed if s in keep])
+    if needed is None:
+        _err("a kept checkpoint's manifest cannot be read, so which data it refers to is unknown; "
+             "nothing removed (run `shardpoint ls` and `verify` on it)")
+        return USAGE
     for r in doomed:
         name = mgr.step_dir(r["step"])
         if not args.dry_run:
-            sub = mgr.storage.child(name)
-            sub.remove(MANIFEST_NAME)  # uncommit first: a half-deleted folder is never taken for a checkpoint
-            sub.remove_all()
+            drop(mgr.storage.child(name), needed.get(name))  # keeps data files a kept checkpoint refers to
         print(f"{verb} {name} ({r['status']}, {_human(r['size'])})")
     kept = sorted(s for s in committed if s in keep)
     print(f"kept {len(kept)} committed checkpoint(s): steps {kept}")

@@ -12,10 +12,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import _save
+from ._incremental import Tracker
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.digest import is_sealed, seal, unseal
 from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.refs import split_ref
 from .report import LoadReport
 from .storage import Storage, storage_for
 
@@ -39,6 +41,39 @@ class CheckpointInfo:
     damaged: str | None = None
     """None for a sound checkpoint; else why its manifest cannot be trusted (then
     ``time`` is the epoch and ``size`` and ``world_size`` are 0: unknown)."""
+    referenced: int = 0
+    """Bytes it stores by reference in earlier checkpoints' data files (incremental
+    saves); ``size`` counts only its own files."""
+
+
+def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] | None:
+    """Folder -> the data files in it that the committed checkpoints in ``folders``
+    (under ``root``) refer to; None when one of their manifests cannot be read."""
+    out: dict[str, set[str]] = {}
+    for name in set(folders):
+        try:
+            man = read_manifest(root.child(name))
+        except CheckpointNotFoundError:
+            continue
+        except (CorruptCheckpointError, OSError):
+            return None
+        for ref in man.refs:
+            folder, fname = split_ref(ref)
+            out.setdefault(folder, set()).add(fname)
+    return out
+
+
+def drop(sub: Storage, still: set[str] | None) -> None:
+    """Delete the step folder ``sub``, except the data files in ``still`` (which kept
+    checkpoints refer to). The manifest goes first: a half-deleted folder is never
+    taken for a checkpoint, and a kill at any moment leaves every referenced file."""
+    sub.remove(MANIFEST_NAME)
+    if not still:
+        sub.remove_all()
+        return
+    for f in sub.list():
+        if f not in still:
+            sub.remove(f)
 
 
 class CheckpointManager:
@@ -56,7 +91,19 @@ class CheckpointManager:
         root: a directory or URL.
         keep_last: keep the newest N committed checkpoints (None: keep all).
         keep_every: also keep every checkpoint whose step is a multiple of K.
+        incremental: store chunks whose bytes equal what this manager's previous save
+            (in this process) wrote by reference to that save's data file instead of
+            writing them again: a frozen base is written once. Each checkpoint still
+            loads, verifies and reshards on its own, but its folder is no longer
+            self-contained: retention keeps referenced data, and :func:`shardpoint.export`
+            makes a self-contained copy. Off by default, so that copying or deleting
+            one step folder by hand keeps working.
         process_group, timeout, storage_options: as for :func:`shardpoint.save`.
+
+    Retention with references: a step the policy drops is uncommitted (its manifest
+    removed first) and its files deleted, except the data files that a kept
+    checkpoint still refers to; those stay in the folder, which is no longer listed,
+    until no kept checkpoint refers to them.
     """
 
     def __init__(
@@ -68,6 +115,7 @@ class CheckpointManager:
         process_group: Any = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
+        incremental: bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
@@ -82,6 +130,9 @@ class CheckpointManager:
         self._pending: Any = None
         self._preempt = threading.Event()
         self._old_handlers: dict[int, Any] = {}
+        self.incremental = incremental
+        self._tracker = Tracker() if incremental else None
+        self._session: Any = None
 
     # -- discovery ------------------------------------------------------------------
     @staticmethod
@@ -107,7 +158,7 @@ class CheckpointManager:
                                   damaged=str(e))
         return CheckpointInfo(
             step=int(m.group(1)), path=sub.url, time=datetime.fromtimestamp(man.created, tz=timezone.utc),
-            size=sum(f["size"] for f in man.files.values()), world_size=man.world_size,
+            size=man.own_bytes(), world_size=man.world_size, referenced=man.referenced_bytes(),
         )
 
     def list(self) -> list[CheckpointInfo]:
@@ -191,21 +242,38 @@ class CheckpointManager:
             return lambda: self._retain(newest=step)  # after every rank returned from the commit
 
         token = _save.after_commit_hook.set(after_commit)
+        session = self._tracker.begin(name) if self._tracker is not None else None
+        itoken = _save.incremental_hook.set(session)
         try:
             handle = save(state, target, process_group=self.process_group, timeout=self.timeout,
                           overwrite=True, blocking=blocking, overlap=overlap)
+        except BaseException:
+            if self._tracker is not None:
+                self._tracker.reset()
+            raise
         finally:
             _save.after_commit_hook.reset(token)
+            _save.incremental_hook.reset(itoken)
         if not blocking:
             handle.step = step
-            self._pending = handle
+            self._pending, self._session = handle, session
+        elif session is not None:
+            self._tracker.commit(session)  # type: ignore[union-attr]
         return handle
 
     def wait(self) -> None:
         """Wait for an asynchronous save to commit (re-raising its error)."""
         h, self._pending = self._pending, None
+        session, self._session = self._session, None
         if h is not None:
-            h.wait()
+            try:
+                h.wait()
+            except BaseException:
+                if self._tracker is not None:
+                    self._tracker.reset()
+                raise
+            if session is not None and self._tracker is not None:
+                self._tracker.commit(session)
 
     def _retain(self, newest: int) -> None:
         committed = self.list()
@@ -220,15 +288,32 @@ class CheckpointManager:
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
         committed_names = {self.step_dir(i.step) for i in committed}
-        for name in self.storage.list_dirs():
-            m = _STEP.match(name)
-            if not m or int(m.group(1)) == newest:
-                continue
-            if int(m.group(1)) in keep and name in committed_names:
-                continue
-            sub = self.storage.child(name)
-            sub.remove(MANIFEST_NAME)  # uncommit first: a half-deleted folder is never taken for a checkpoint
-            sub.remove_all()
+        doomed = [name for name in self.storage.list_dirs() if (m := _STEP.match(name)) and int(m.group(1)) != newest
+                  and not (int(m.group(1)) in keep and name in committed_names)]
+        if not doomed:
+            return
+        kept = [self.step_dir(i.step) for i in committed if i.step in keep] + [self.step_dir(newest)]
+        needed = referenced_files(self.storage, kept)
+        if needed is None:
+            warnings.warn(f"shardpoint: retention under {self.root} skipped: a kept checkpoint's manifest cannot be "
+                          "read, so which data it refers to is unknown", stacklevel=2)
+            return
+        for name in doomed:
+            drop(self.storage.child(name), needed.get(name))
+
+    def export(self, dest: PathLike, step: int | None = None, *, overwrite: bool = False) -> str:
+        """Write a self-contained copy of checkpoint ``step`` (default: :meth:`latest`)
+        to ``dest``: the chunks it stores by reference are copied in (CRC-checked), so
+        the copy loads, verifies and converts with nothing beside it. Not collective;
+        returns ``dest``'s URL. The same as ``shardpoint export ROOT/step-N DEST``."""
+        from ._export import export_checkpoint
+
+        info = self.latest() if step is None else self._info(self.step_dir(step))
+        if info is None or info.damaged:
+            raise CheckpointNotFoundError(f"no sound committed checkpoint for step {step} under {self.root}")
+        dst = storage_for(dest, self._storage_options)
+        export_checkpoint(self.storage.child(self.step_dir(info.step)), dst, overwrite=overwrite)
+        return dst.url
 
     # -- restore --------------------------------------------------------------------
     def restore(
@@ -322,4 +407,5 @@ class CheckpointManager:
         return True
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+        return (f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "
+                f"incremental={self.incremental})")

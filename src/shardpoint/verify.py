@@ -23,6 +23,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.datafile import crc32, itemsize_of
 from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from .format.refs import with_refs
 from .plan import Box
 from .storage import Storage, storage_for
 
@@ -132,6 +133,7 @@ def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) ->
         res.problems.append(Problem(file=MANIFEST_NAME, key=None, reason=str(e)))
         return res
     res.seal = "verified" if manifest.sealed else "absent"
+    storage = with_refs(storage, manifest)  # referenced chunks are checked in their sibling checkpoint's file
     resolved = _resolve(storage, manifest, res)
     sizes = _check_files(storage, manifest, res, resolved)
     jobs: list[Callable[[], tuple[int, Problem | None]]] = []
@@ -192,7 +194,7 @@ def _check_files(storage: Storage, m: Manifest, res: VerifyResult, resolved: Res
     each (None when it cannot be read at all)."""
     sizes: dict[str, int | None] = {}
     spans = _chunk_spans(resolved)
-    for name, info in sorted(m.files.items()):
+    for name, info in sorted([*m.files.items(), *m.refs.items()]):
         want = info["size"]
         try:
             size: int | None = storage.size(name)

@@ -24,14 +24,23 @@ from shardpoint.verify import verify
 from tests.failure._storage import KillMidWrite
 
 N = 64  # elements of w per rank
+#: Incremental trials: a frozen tensor that never changes (so later saves refer to the first one's data).
+FROZEN = 1 << 18
 
 
-def make_state(rank: int, world: int) -> dict[str, Any]:
-    return {
+def frozen() -> torch.Tensor:
+    return torch.arange(FROZEN, dtype=torch.float32)
+
+
+def make_state(rank: int, world: int, incremental: bool = False) -> dict[str, Any]:
+    state = {
         "model": {"w": FlatShard(torch.zeros(N), (N * world,), rank * N), "b": torch.zeros(16)},
         "step": 0,
         "rng": shardpoint.PerRank(torch.zeros(4, dtype=torch.int64)),
     }
+    if incremental:
+        state["frozen"] = frozen()
+    return state
 
 
 def fill(state: dict[str, Any], step: int) -> None:
@@ -76,8 +85,9 @@ def train(rank: int, world: int, port: int, root: str, kill: dict[str, Any], q: 
     storage: Storage = LocalStorage(root)
     if mine and kill.get("phase") == "mid-write":
         storage = KillMidWrite(storage, nth=kill["save"])
-    mgr = shardpoint.CheckpointManager(storage, keep_last=2, timeout=20)
-    state = make_state(rank, world)
+    inc = bool(kill.get("incremental"))
+    mgr = shardpoint.CheckpointManager(storage, keep_last=2, timeout=20, incremental=inc)
+    state = make_state(rank, world, inc)
     report = mgr.restore(state)
     start = 0 if report is None else report.step
     if report is not None and uniform_step(state) != start:
@@ -107,9 +117,10 @@ def train(rank: int, world: int, port: int, root: str, kill: dict[str, Any], q: 
     dist.destroy_process_group()
 
 
-def check(root: str, q: Any) -> None:
+def check(root: str, q: Any, incremental: bool = False) -> None:
     """In a fresh process: every committed checkpoint verifies and holds one step's
-    values; latest() names one; a restore of it gives that step throughout."""
+    values (and, incremental, the unchanged frozen tensor); latest() names one; a
+    restore of it gives that step throughout."""
     out: dict[str, Any] = {"bad": []}
     try:
         mgr = shardpoint.CheckpointManager(root)
@@ -126,8 +137,10 @@ def check(root: str, q: Any) -> None:
                 vals |= {int(v) for v in torch.unique(t).tolist()}
             if vals != {i.step}:
                 out["bad"].append(f"step {i.step}: holds values {sorted(vals)}")
+            if incremental and not torch.equal(full.get("frozen", torch.empty(0)), frozen()):
+                out["bad"].append(f"step {i.step}: the frozen tensor differs")
         if info is not None:
-            state = make_state(0, 1)
+            state = make_state(0, 1, incremental)
             state["model"]["w"] = FlatShard(torch.zeros(2 * N), (2 * N,), 0)
             report = mgr.restore(state)
             if report is None or report.step != info.step or uniform_step(state) != info.step:

@@ -499,3 +499,73 @@ def test_generated_hostile_manifests(_sample_master: Path, tmp_path_factory: pyt
         check_outcomes(sandbox.run(str(work)), damaged=False)
 
     run()
+
+
+# -- incremental references (format/refs.py) ------------------------------------------------------
+def _incremental_pair(root: Path) -> Path:
+    """``root/step-00000000`` (full) and ``root/step-00000001``, whose tensor is a
+    reference into step 0's data file. Returns step 1's folder."""
+    import torch
+
+    import shardpoint
+
+    mgr = shardpoint.CheckpointManager(root, incremental=True)
+    w = torch.arange(4096, dtype=torch.float32)
+    mgr.save({"model": {"w": w}}, 0)
+    mgr.save({"model": {"w": w}}, 1)
+    return root / "step-00000001"
+
+
+def _retarget(m: dict[str, Any], path: Path, new: str) -> None:
+    """Point step 1's reference (manifest 'refs' and index entries) at ``new``."""
+    (old,) = list(m["refs"])
+    m["refs"][new] = m["refs"].pop(old)
+    name = _index_of(m)
+    ix = json.loads((path / name).read_text())
+    for v in ix["chunks"].values():
+        if len(v) == 4:
+            v[3] = new
+    _resign(m, path, name, json.dumps(ix).encode())
+
+
+def _own_file(m: dict[str, Any]) -> str:
+    return f"../step-00000001/{_first_file(m)}"
+
+
+REF_CASES: dict[str, Callable[[dict[str, Any], Path], Any]] = {
+    # '../' beyond the manager's root, to the FIFO beside it
+    "ref-beyond-root": lambda m, p: _retarget(m, p, f"../../{OUTSIDE}"),
+    "ref-absolute": lambda m, p: _retarget(m, p, "/etc/passwd.safetensors"),
+    "ref-dotdot-folder": lambda m, p: _retarget(m, p, "../../x.safetensors"),
+    # a reference that would chain to metadata (a manifest, an index) instead of data: refused, so no cycle can form
+    "ref-to-manifest": lambda m, p: _retarget(m, p, "../step-00000000/manifest.json"),
+    "ref-to-index": lambda m, p: _retarget(m, p, "../step-00000000/" + sorted(
+        f.name for f in (p.parent / "step-00000000").glob("*.index.json"))[0]),
+    # a cycle: the checkpoint referring to its own folder
+    "ref-cycle-self": lambda m, p: _retarget(m, p, _own_file(m)),
+    "ref-missing-target": lambda m, p: _retarget(m, p, "../step-00000000/r00000-000000000000.safetensors"),
+    "ref-target-deleted": lambda m, p: [os.remove(f) for f in (p.parent / "step-00000000").glob("*.safetensors")],
+    "ref-not-listed": lambda m, p: m["refs"].clear(),
+    "ref-size-lies": lambda m, p: [r.update(size=8) for r in m["refs"].values()],
+    "ref-not-an-object": lambda m, p: m.update(refs=["../step-00000000/x.safetensors"]),
+    "ref-fifo": lambda m, p: (os.mkfifo(p.parent / "step-00000000" / "fifo.safetensors"),
+                              _retarget(m, p, "../step-00000000/fifo.safetensors")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REF_CASES))
+def test_hostile_reference(case: str, tmp_path: Path, sandbox: Sandbox) -> None:
+    """A hostile or dangling reference: a ShardpointError from load, load_full,
+    metadata or verify (verify reports it), never another exception, never a hang,
+    and nothing outside the manager's root is opened."""
+    root = tmp_path / "root"
+    path = _incremental_pair(root)
+    os.mkfifo(tmp_path / OUTSIDE)  # where '../../' would lead
+    m = manifest(path)
+    assert m["refs"], "the sample holds no reference"
+    REF_CASES[case](m, path)
+    (path / "manifest.json").write_bytes(sealed(m))
+    results = sandbox.run(str(path))
+    check_outcomes(results, damaged=True)
+    for call in ("load", "load_full"):
+        assert not results[call]["ok"], f"{call} accepted a hostile reference ({case})"

@@ -79,11 +79,11 @@ def run_trial(ctx: Any, root: Path, kill: dict[str, Any], grace: float = 2.0, li
     return {"exitcodes": [p.exitcode for p in procs], "messages": msgs}
 
 
-def check_root(ctx: Any, root: Path) -> dict[str, Any]:
+def check_root(ctx: Any, root: Path, incremental: bool = False) -> dict[str, Any]:
     from tests.failure._crash import check
 
     q = ctx.Queue()
-    p = ctx.Process(target=check, args=(str(root), q), daemon=True)
+    p = ctx.Process(target=check, args=(str(root), q, incremental), daemon=True)
     p.start()
     try:
         return q.get(timeout=60)
@@ -106,7 +106,7 @@ class History:
         assert not [m for r, m in trial["messages"] if m.startswith("bad")], what
         victim = trial["exitcodes"][kill["rank"]]
         self.kills += victim == -9
-        got = check_root(ctx, root)
+        got = check_root(ctx, root, bool(kill.get("incremental")))
         assert not got["bad"], f"{what}: {got['bad']}"
         if self.latest is not None:
             assert got["latest"] is not None and got["latest"] >= self.latest, f"{what}: latest went from {self.latest} to {got}"
@@ -137,6 +137,26 @@ def test_sigkill_at_random_moments(ctx: Any, tmp_path: Path) -> None:
     # most trials must have killed a rank mid-run, or the test proves little
     assert h.kills >= SOAK * 3 // 4, f"only {h.kills} of {SOAK} trials killed a rank (seed {SEED})"
     assert h.latest is not None
+
+
+@pytest.mark.timeout(max(300, SOAK * 3))
+def test_sigkill_incremental_with_retention(ctx: Any, tmp_path: Path) -> None:
+    """Incremental saves (a frozen tensor referenced from the first save on) with
+    keep_last=2 retention, one rank SIGKILLed at random moments (in a save, in
+    retention): latest() and every kept checkpoint still load and verify, and no
+    reference dangles (check() loads each one alone, frozen tensor included)."""
+    from shardpoint.manager import CheckpointManager
+
+    root = tmp_path / "root"
+    rng = random.Random(SEED + 1)
+    h = History()
+    referenced = 0
+    for _ in range(SOAK):
+        kill = {"rank": rng.randrange(WORLD), "after": rng.uniform(0.0, 0.6), "max_steps": 1000, "incremental": True}
+        h.after(ctx, root, kill, run_trial(ctx, root, kill))
+        referenced += sum(i.referenced > 0 for i in CheckpointManager(root).list())
+    assert h.kills >= SOAK * 3 // 4, f"only {h.kills} of {SOAK} trials killed a rank (seed {SEED})"
+    assert referenced >= SOAK // 2, "too few checkpoints held references: the test proves little"
 
 
 def test_survivor_gets_a_shardpoint_error(ctx: Any, tmp_path: Path) -> None:

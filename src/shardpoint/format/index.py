@@ -35,10 +35,14 @@ def chunk_name(key: str, offsets: Any, per_rank: bool = False) -> str:
     return f"/per_rank/{name}" if per_rank else name
 
 
-def index_bytes(data_file: str, chunks: list[tuple[str, WrittenChunk]]) -> bytes:
-    """Serialise the index of ``data_file``: ``{"format", "file", "chunks": {name: [offset, length, [crc32...]]}}``."""
-    doc = {"format": INDEX_FORMAT, "file": data_file,
-           "chunks": {name: [w.offset, w.length, w.crc32] for name, w in chunks}}
+def index_bytes(data_file: str, chunks: list[tuple[str, WrittenChunk]],
+                refs: list[tuple[str, Located, str]] | None = None) -> bytes:
+    """Serialise the index of ``data_file``: ``{"format", "file", "chunks": {name: [offset, length, [crc32...]]}}``;
+    a chunk stored by reference (``refs``: name, where, reference) has the reference as a fourth item."""
+    entries: dict[str, list[Any]] = {name: [w.offset, w.length, w.crc32] for name, w in chunks}
+    for name, loc, ref in refs or ():
+        entries[name] = [loc.offset, loc.length, loc.crc32, ref]
+    doc = {"format": INDEX_FORMAT, "file": data_file, "chunks": entries}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -54,10 +58,12 @@ class Located:
     offset: int
     length: int
     crc32: list[int]
+    #: The data file holding the bytes when it is another checkpoint's (a reference, ``../<folder>/<file>``).
+    ref: str | None = None
 
 
 def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_size: int, block: int,
-                where: str) -> dict[str, Located]:
+                where: str, refs: dict[str, dict[str, int]] | None = None) -> dict[str, Located]:
     """Check an index's bytes against the manifest's record (size and SHA-256) before
     parsing anything, then every entry: offsets inside the data file, one CRC per
     block. Raises :class:`CorruptCheckpointError` naming ``where``."""
@@ -81,14 +87,21 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
         raise bad("'chunks' is not an object")
     out: dict[str, Located] = {}
     for name, e in chunks.items():
-        if not (isinstance(e, list) and len(e) == 3 and _is_count(e[0]) and _is_count(e[1]) and isinstance(e[2], list)):
-            raise bad(f"chunk {name!r} is not [offset, length, [crc32...]]")
-        off, length, crcs = e
-        if off + length > file_size:
+        if not (isinstance(e, list) and len(e) in (3, 4) and _is_count(e[0]) and _is_count(e[1]) and isinstance(e[2], list)):
+            raise bad(f"chunk {name!r} is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]")
+        off, length, crcs = e[:3]
+        ref = e[3] if len(e) == 4 else None
+        if ref is not None:
+            if not isinstance(ref, str) or ref not in (refs or {}):
+                raise bad(f"chunk {name!r} refers to {str(ref)[:120]!r}, which the manifest's 'refs' does not list")
+            if off + length > refs[ref]["size"]:  # type: ignore[index]
+                raise bad(f"chunk {name!r} lies beyond the end of the referenced {ref} "
+                          f"({off + length} > {refs[ref]['size']} bytes)")  # type: ignore[index]
+        elif off + length > file_size:
             raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
         if len(crcs) != max(1, -(-length // block)) or not all(_is_count(c) and c < 1 << 32 for c in crcs):
             raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
-        out[name] = Located(off, length, crcs)
+        out[name] = Located(off, length, crcs, ref)
     return out
 
 

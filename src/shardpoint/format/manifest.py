@@ -25,6 +25,7 @@ from . import layouts
 from .datafile import DTYPES
 from .digest import is_sealed, seal, unseal
 from .index import check_record
+from .refs import split_ref
 
 FORMAT_NAME = "shardpoint"
 #: Version 2: the manifest is sealed (format/digest.py).
@@ -121,6 +122,9 @@ class Manifest:
     version: int = FORMAT_VERSION
     #: Whether the bytes this was parsed from carried a seal that matched (False for version 1).
     sealed: bool = False
+    #: Data files of sibling checkpoints whose bytes this one uses (incremental saves,
+    #: :mod:`.refs`): ``"../<folder>/<file>" -> {"size": bytes}``; empty for a self-contained checkpoint.
+    refs: dict[str, dict[str, int]] = field(default_factory=dict)
     _by_rank: dict[int, str] | None = field(default=None, repr=False, compare=False)
 
     def file_of_rank(self, rank: int) -> str | None:
@@ -137,6 +141,14 @@ class Manifest:
         out += [f["index"]["name"] for f in self.files.values() if isinstance(f.get("index"), dict)]
         return out
 
+    def own_bytes(self) -> int:
+        """Bytes of the checkpoint's own data files."""
+        return sum(f["size"] for f in self.files.values())
+
+    def referenced_bytes(self) -> int:
+        """Bytes of the chunks it stores by reference in other checkpoints' data files."""
+        return sum(r.get("bytes", 0) for r in self.refs.values())
+
     def to_bytes(self) -> bytes:
         """The sealed manifest file's bytes."""
         doc = {
@@ -151,6 +163,8 @@ class Manifest:
             "containers": self.tree.containers,
             "entries": self.tree.entries,
         }
+        if self.refs:
+            doc["refs"] = self.refs
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
@@ -221,11 +235,20 @@ class Manifest:
             datetime.fromtimestamp(created, tz=timezone.utc)
         except (OverflowError, ValueError, OSError):
             raise bad(f"'created' ({created!r}) is not a time") from None
+        refs = doc.get("refs", {})
+        if version < 2 and "refs" in doc:
+            raise bad("'refs' needs format version 2")
+        if not isinstance(refs, dict):
+            raise bad("'refs' is not an object")
+        for name, info in refs.items():
+            split_ref(name, where=where)
+            if not isinstance(info, dict) or not _is_count(info.get("size")) or not _is_count(info.get("bytes", 0)):
+                raise bad(f"refs[{name!r}] has no valid 'size' (and optional 'bytes')")
         tree = _parse_tree(doc, files, block, bad, ws, depth=0, version=version)
         return cls(
             world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
             files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
-            sealed=sealed,
+            sealed=sealed, refs=refs,
         )
 
 

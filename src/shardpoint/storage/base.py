@@ -88,3 +88,12 @@ class Storage(ABC):
     @abstractmethod
     def list_dirs(self) -> list[str]:
         """Names of the immediate sub-locations."""
+
+    def parent(self) -> Storage:
+        """The location that holds this one (a manager's root holds its step
+        folders): incremental references (``../<folder>/<file>``) resolve through it.
+        Storages that carry a connection override this to keep it."""
+        from . import storage_for
+
+        head = self.url.rstrip("/").rsplit("/", 1)[0]
+        return storage_for(head or "/")

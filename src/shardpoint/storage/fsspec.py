@@ -297,6 +297,12 @@ class FsspecStorage(Storage):
         check_name(name)
         return FsspecStorage(f"{self.url}/{name}", _fs=self.fs)
 
+    def parent(self) -> FsspecStorage:
+        head, _, _ = self.url.rpartition("/")
+        if not head or head.endswith(":/"):
+            raise CorruptCheckpointError(f"{self.url} is the top of its store: it has no parent location")
+        return FsspecStorage(head, _fs=self.fs)
+
 
 def _abandon(f: Any) -> None:
     """Drop a half-written file without publishing it: abort the multipart upload

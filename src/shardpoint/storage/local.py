@@ -198,6 +198,9 @@ class LocalStorage(Storage):
     def child(self, name: str) -> LocalStorage:
         return LocalStorage(self._path(name))
 
+    def parent(self) -> LocalStorage:
+        return LocalStorage(os.path.dirname(self.root))
+
     def list_dirs(self) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
