@@ -16,6 +16,7 @@ import hashlib
 import json
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,17 +73,19 @@ def layout_message(layout: dict[str, Any], reference: str | None) -> tuple[str, 
 
 
 def _pack(a: np.ndarray) -> str:
-    """Integers as ``"<width>:<base64 of little-endian ints>"`` (width 4 when they fit)."""
+    """Integers as ``"<width>:<base64 of zlib of little-endian ints>"`` (width 4 when
+    they fit; the boxes of regular layouts compress several times over)."""
     width = 4 if a.size == 0 or (a.min() >= -(1 << 31) and a.max() < 1 << 31) else 8
-    return f"{width}:" + base64.b64encode(a.astype(f"<i{width}").tobytes()).decode()
+    return f"{width}:" + base64.b64encode(zlib.compress(a.astype(f"<i{width}").tobytes(), 1)).decode()
 
 
 def _unpack(s: str, what: str) -> np.ndarray:
     """The inverse of :func:`_pack`; a malformed message is a :class:`ShardpointError`."""
     try:
         width, data = s.split(":", 1)
-        return np.frombuffer(base64.b64decode(data, validate=True), dtype=f"<i{int(width)}").astype(np.int64)
-    except (ValueError, TypeError) as e:
+        raw = zlib.decompress(base64.b64decode(data, validate=True))
+        return np.frombuffer(raw, dtype=f"<i{int(width)}").astype(np.int64)
+    except (ValueError, TypeError, zlib.error) as e:
         raise ShardpointError(f"malformed chunk boxes in {what}'s layout message ({e}); "
                               "every rank must run the same shardpoint version") from None
 
@@ -169,11 +172,8 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
     key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     lens = nds[key_col]
     total = int(lens.sum())
-    rows = np.repeat(np.arange(n), lens)
-    cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    offsets = np.zeros((n, ndim), dtype=np.int64)
-    sizes = np.ones((n, ndim), dtype=np.int64)
-    for name, out in (("off", offsets), ("size", sizes)):
+    boxes = {}
+    for name, pad in (("off", 0), ("size", 1)):
         parts = [_flat_boxes(m, name) for m in layouts_]
         if all(isinstance(p, np.ndarray) for p in parts):
             flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -186,11 +186,15 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
                 f"rank {bad} described chunks whose number of dimensions differs from their tensor's shape; "
                 "this is a bug in the layout of that rank's state (report it with the state's types)")
         if flat.size == n * ndim:  # every key has the table's number of dims: no padding
-            out[:] = flat.reshape(n, ndim)
-        else:
+            boxes[name] = flat.reshape(n, ndim)
+        else:  # lower-rank tensors pad their trailing dims with offset 0, size 1
+            out = np.full((n, ndim), pad, dtype=np.int64)
+            rows = np.repeat(np.arange(n), lens)
+            cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
             out[rows, cols] = flat
+            boxes[name] = out
     table = ChunkTable(key=key_col, rank=np.repeat(np.arange(len(layouts_), dtype=np.int64), counts),
-                       offsets=offsets, sizes=sizes, itemsize=itemsizes[key_col] if n else np.zeros(0, dtype=np.int64))
+                       offsets=boxes["off"], sizes=boxes["size"], itemsize=itemsizes[key_col] if n else np.zeros(0, dtype=np.int64))
     return table, row_start
 
 
