@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch
 
+from ._gc import gc_paused
 from ._load import (
     Reader,
     TreeLoad,
@@ -36,23 +35,7 @@ PathLike = str | os.PathLike[str] | Storage
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one foreground call. Parsing a
-    manifest and walking a state create thousands of small containers, which
-    triggers full collections over the whole heap of a training process (torch's
-    objects included): about 0.1 s per call, a fifth of a 1 GB load. Collection is
-    only deferred: whatever cyclic garbage a call leaves is collected after it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@_gc_paused()
+@gc_paused()
 def save(
     state: Any,
     path: PathLike,
@@ -115,7 +98,7 @@ def save(
     return None
 
 
-@_gc_paused()
+@gc_paused()
 def load(
     state: Any,
     path: PathLike,
@@ -251,7 +234,7 @@ def _set_per_rank_value(node: Any, key: str, sub: Any, value: Any) -> bool:
     return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, key, sub, value)
 
 
-@_gc_paused()
+@gc_paused()
 def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> Any:
     """Read a checkpoint in one process, no process group needed: the nested state
     with full CPU tensors (numpy arrays where numpy arrays were saved). A per-rank
