@@ -10,51 +10,23 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from shardpoint.storage import Storage
+from shardpoint.storage.base import Delegating
 
 
-class Wrapper(Storage):
+class Wrapper(Delegating):
     """Delegates everything to ``inner``; ``child`` wraps the child the same way."""
 
     def __init__(self, inner: Storage, **options: Any) -> None:
-        self.inner, self.options, self.url = inner, options, inner.url
+        super().__init__(inner)
+        self.options = options
 
     def _wrap(self, inner: Storage) -> Wrapper:
         w = type(self)(inner, **self.options)
         w.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("inner", "url")})
         return w
 
-    def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
-        return self.inner.write_file(name, parts)
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        self.inner.write_atomic(name, data)
-
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
-        return self.inner.read(name, offset, length)
-
-    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
-        self.inner.read_into(name, offset, buf)
-
-    def exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def size(self, name: str) -> int:
-        return self.inner.size(name)
-
-    def list(self) -> list[str]:
-        return self.inner.list()
-
-    def remove(self, name: str) -> None:
-        self.inner.remove(name)
-
-    def remove_all(self) -> None:
-        self.inner.remove_all()
-
     def child(self, name: str) -> Storage:
         return self._wrap(self.inner.child(name))
-
-    def list_dirs(self) -> list[str]:
-        return self.inner.list_dirs()
 
 
 class Budget:

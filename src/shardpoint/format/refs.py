@@ -20,11 +20,10 @@ the CRCs the referring index carries, like any chunk.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..storage.base import Storage
+from ..storage.base import Delegating, Storage
 
 _REF = re.compile(r"^\.\./([A-Za-z0-9_.\-]+)/([A-Za-z0-9_.\-]+\.safetensors)$")
 
@@ -48,13 +47,13 @@ def is_ref(name: str) -> bool:
     return name.startswith("../")
 
 
-class RefView(Storage):
+class RefView(Delegating):
     """The checkpoint's storage, where a reference name (``../<folder>/<file>``)
     reads from the sibling folder instead; every other name goes to ``inner``.
     Read-only for references; writes go to ``inner``."""
 
     def __init__(self, inner: Storage) -> None:
-        self.inner, self.url = inner, inner.url
+        super().__init__(inner)
         self._own = inner.url.rstrip("/").rsplit("/", 1)[-1]
         self._siblings: dict[str, Storage] = {}
 
@@ -93,30 +92,6 @@ class RefView(Storage):
     def size(self, name: str) -> int:
         s, n = self._resolve(name)
         return s.size(n)
-
-    def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
-        return self.inner.write_file(name, parts)
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        self.inner.write_atomic(name, data)
-
-    def list(self) -> list[str]:
-        return self.inner.list()
-
-    def remove(self, name: str) -> None:
-        self.inner.remove(name)
-
-    def remove_all(self) -> None:
-        self.inner.remove_all()
-
-    def child(self, name: str) -> Storage:
-        return self.inner.child(name)
-
-    def list_dirs(self) -> list[str]:
-        return self.inner.list_dirs()
-
-    def parent(self) -> Storage:
-        return self.inner.parent()
 
 
 def _missing(url: str, name: str) -> CorruptCheckpointError:

@@ -97,3 +97,48 @@ class Storage(ABC):
 
         head = self.url.rstrip("/").rsplit("/", 1)[0]
         return storage_for(head or "/")
+
+
+class Delegating(Storage):
+    """A storage that hands every call to ``inner``: the base of wrappers that change
+    a few calls (reading through references; the failure tests' full disk and
+    killed writer) and pass the rest through."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner, self.url = inner, inner.url
+
+    def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
+        return self.inner.write_file(name, parts)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.inner.write_atomic(name, data)
+
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
+        return self.inner.read(name, offset, length)
+
+    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
+        self.inner.read_into(name, offset, buf)
+
+    def exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def list(self) -> list[str]:
+        return self.inner.list()
+
+    def remove(self, name: str) -> None:
+        self.inner.remove(name)
+
+    def remove_all(self) -> None:
+        self.inner.remove_all()
+
+    def child(self, name: str) -> Storage:
+        return self.inner.child(name)
+
+    def list_dirs(self) -> list[str]:
+        return self.inner.list_dirs()
+
+    def parent(self) -> Storage:
+        return self.inner.parent()
