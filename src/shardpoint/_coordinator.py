@@ -114,6 +114,7 @@ class Plan:
     per_rank: list[dict[str, Any]]  # per rank: per-rank key -> its layout
     row_start: np.ndarray  # (world + 1,) first global row of each rank
     table: ChunkTable
+    shapes: np.ndarray  # (keys, table dims) global shape of each key, padded with 1
     group: np.ndarray
     writer: np.ndarray  # bool: this row's bytes go to this rank's file (never an empty box)
     check: np.ndarray  # bool: this row is a replica (non-empty): its checksums are compared
@@ -212,7 +213,7 @@ def make_plan(layouts_: list[dict[str, Any]]) -> Plan:
         detail = "; ".join(f"key {keys[k]!r}: {why}" for k, why in sorted(e.problems.items()))
         raise ShardpointError(f"the ranks' pieces do not form valid tensors: {detail}") from None
     nonempty = np.all(table.sizes > 0, axis=1)
-    return Plan(keys, info, containers, [m["per_rank"] for m in layouts_], row_start, table, sp.group,
+    return Plan(keys, info, containers, [m["per_rank"] for m in layouts_], row_start, table, shapes, sp.group,
                 sp.writer & nonempty, sp.replicated & nonempty)
 
 
@@ -354,12 +355,8 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
     nkeys = len(plan.keys)
     if not len(w) or nkeys == 0:
         return {}
-    shapes = np.ones((nkeys, t.offsets.shape[1]), dtype=np.int64)
-    nds = np.zeros(nkeys, dtype=np.int64)
-    for i, k in enumerate(plan.keys):
-        shp = plan.info[k]["shape"]
-        shapes[i, : len(shp)] = shp
-        nds[i] = len(shp)
+    shapes = plan.shapes
+    nds = np.array([len(plan.info[k]["shape"]) for k in plan.keys], dtype=np.int64)
     kw = t.key[w]
     off, size, rank = t.offsets[w], t.sizes[w], t.rank[w]
     spans = np.ones(len(w), dtype=bool)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..plan.boxes import flat_range_boxes
+from ..plan.boxes import flat_range_boxes, grid_cells
 
 #: Most chunks one tensor entry may describe (a damaged manifest cannot ask for more).
 MAX_CELLS = 1 << 22
@@ -160,32 +160,13 @@ def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks
 
 def _grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any] | None:
     m, nd = offsets.shape
-    cuts, specs, counts = [], [], []
-    for d in range(nd):
-        # the cuts of a grid are the boxes' starts and the largest end
-        o = offsets[:, d]
-        if o.any():
-            srt = np.sort(o)
-            c = np.append(srt[np.concatenate(([True], srt[1:] != srt[:-1]))], (o + sizes[:, d]).max())
-        else:
-            c = np.array([0, sizes[:, d].max()], dtype=np.int64)
-        cuts.append(c)
-        counts.append(len(c) - 1)
-    if math.prod(counts) != m:
+    grid = grid_cells(offsets, sizes)
+    if grid is None:
         return None
-    if nd:
-        idx = [np.searchsorted(cuts[d], offsets[:, d]) for d in range(nd)]
-        # each box must be exactly one cell: its end is the next cut
-        for d in range(nd):
-            if not np.array_equal(cuts[d][idx[d] + 1] - cuts[d][idx[d]], sizes[:, d]):
-                return None
-        cell = np.ravel_multi_index(idx, counts)
-    else:
-        cell = np.zeros(m, dtype=np.int64)
-    rank_of_cell = np.full(m, -1, dtype=np.int64)
+    cuts, cell = grid
+    specs: list[Any] = []
+    rank_of_cell = np.empty(m, dtype=np.int64)
     rank_of_cell[cell] = ranks
-    if m > 1 and (rank_of_cell < 0).any():  # two boxes in one cell: m boxes do not fill m cells
-        return None
     for d in range(nd):
         step = np.diff(cuts[d])
         c0 = int(step[0])

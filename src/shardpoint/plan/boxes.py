@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +110,31 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]
 
     rec((), 0, start, stop)
     return out
+
+
+def grid_cells(offsets: np.ndarray, sizes: np.ndarray) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """When the ``m`` boxes (``(m, ndim)`` arrays) are exactly the cells of one grid,
+    whose cuts are each dimension's box starts and its largest end: the cuts of each
+    dimension and each box's row-major cell number; else None. Each box must end at
+    the next cut, and ``m`` boxes must fill ``m`` distinct cells."""
+    m, nd = offsets.shape
+    cuts, idx, counts = [], [], []
+    for d in range(nd):
+        o, s = offsets[:, d], sizes[:, d]
+        if o.any():
+            srt = np.sort(o)
+            c = np.append(srt[np.concatenate(([True], srt[1:] != srt[:-1]))], (o + s).max())
+        else:
+            c = np.array([0, s.max()], dtype=np.int64)
+        i = np.searchsorted(c, o)
+        if not np.array_equal(c[i + 1] - c[i], s):  # each box ends at the next cut
+            return None
+        cuts.append(c)
+        idx.append(i)
+        counts.append(len(c) - 1)
+    if math.prod(counts) != m:
+        return None
+    cell = np.ravel_multi_index(idx, counts) if nd else np.zeros(m, dtype=np.int64)
+    seen = np.zeros(m, dtype=bool)
+    seen[cell] = True
+    return (cuts, cell) if seen.all() else None

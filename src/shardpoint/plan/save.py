@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .boxes import grid_cells
+
 #: Cells a per-tensor grid check may allocate before falling back to a pairwise check.
 _GRID_CELL_LIMIT = 1 << 22
 
@@ -211,23 +213,8 @@ def validate_partition(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
 def _is_grid(off: np.ndarray, size: np.ndarray, shape: np.ndarray) -> bool:
     """Whether the boxes are exactly the cells of one grid over the whole tensor (the
     common case, DTensor on a 2-D mesh): then they tile it. Cheap: a sort per dim."""
-    m, nd = off.shape
-    idx, counts = [], []
-    for d in range(nd):
-        srt = np.sort(off[:, d])
-        cuts = np.append(srt[np.concatenate(([True], srt[1:] != srt[:-1]))], shape[d])
-        if cuts[0] != 0:
-            return False
-        i = np.searchsorted(cuts, off[:, d])
-        if not np.array_equal(cuts[i + 1] - cuts[i], size[:, d]):  # each box ends at the next cut
-            return False
-        idx.append(i)
-        counts.append(len(cuts) - 1)
-    if math.prod(counts) != m:
-        return False
-    seen = np.zeros(m, dtype=bool)
-    seen[np.ravel_multi_index(idx, counts)] = True
-    return bool(seen.all())  # m boxes in m distinct cells
+    grid = grid_cells(off, size)
+    return grid is not None and all(c[0] == 0 and c[-1] == n for c, n in zip(grid[0], shape.tolist()))
 
 
 def _check_key(off: np.ndarray, size: np.ndarray, shape: np.ndarray) -> str | None:
