@@ -201,6 +201,8 @@ class _Stage:
         self.keys = [rows["key"][i] for i in self.mine]
         self.keys += [n.removeprefix("/per_rank/").rsplit("@", 1)[0] for n in names[len(self.mine) :]]
         self.keys += [rows["key"][i] for i in self.others]
+        # what the guard watches: the rows copied and the replica rows checksummed in place
+        self.watched = self.views + [local.views[i] for i in self.others]
         self.before: list[int | None] | None = None
         self.after: dict[Any, Any] = {}
 
@@ -208,16 +210,17 @@ class _Stage:
         """Before returning to the caller (overlap): take the version counters and
         mark the caller's streams, so the background copy reads the state as of now
         and fails if it changed."""
-        self.before = _stage.versions(self.views + [self.local.views[i] for i in self.others])
-        self.after = _stage.mark(self.views + [self.local.views[i] for i in self.others])
+        self.before = _stage.versions(self.watched)
+        self.after = _stage.mark(self.watched)
 
     def __call__(self) -> dict[int, list[int]]:
         after = self.after or _stage.mark(self.views)
         dsts = _staging.allocate(self.views)
         _stage.copy_into(dsts, self.views, after)
-        checked = dict(zip(self.others, _stage.block_crcs_of([self.local.views[i] for i in self.others], _stage.pool())))
+        others = self.watched[len(self.views):]
+        checked = dict(zip(self.others, _stage.block_crcs_of(others, _stage.pool())))
         if self.before is not None:
-            _stage.check_versions(self.keys, self.views + [self.local.views[i] for i in self.others], self.before)
+            _stage.check_versions(self.keys, self.watched, self.before)
         pos = {id(v): d for v, d in zip(self.views, dsts)}
         lv = self.local.views
         for i in self.mine:
