@@ -452,7 +452,7 @@ def test_overwrite_leaves_no_moment_without_a_loadable_checkpoint(tmp_path: Path
 def test_checkpoint_replaced_during_a_load_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A load that read the manifest just before an overwriting save committed finds
     its data files gone: the error says the checkpoint was replaced, not damaged."""
-    from shardpoint import _load
+    from shardpoint.load import place as _load
 
     p = tmp_path / "ckpt"
     shardpoint.save({"w": torch.ones(1000)}, p)

@@ -30,7 +30,7 @@ def _header(storage: Storage, name: str) -> dict[str, Any]:
 def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) -> None:
     """Copy the checkpoint at ``src`` to ``dst`` with every referenced chunk copied
     in, checking every byte's CRC on the way; ``dst``'s manifest is written last."""
-    from ._load import read_index
+    from .load.place import read_index
 
     m = read_manifest(src)
     if dst.exists(MANIFEST_NAME) and not overwrite:

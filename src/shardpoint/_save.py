@@ -30,7 +30,7 @@ from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import dtype_name, write_data_file
 from .format.index import chunk_name, digest, index_bytes, index_name
-from .format.manifest import MANIFEST_NAME, encode_value, read_manifest
+from .format.manifest import MANIFEST_NAME, committed, encode_value, read_manifest
 from .layout import chunks_of
 from .storage import Storage
 from .tree import Walk, walk
@@ -329,7 +329,7 @@ def finish_save(comm: Comm, storage: Storage, planned: Planned, local: _Local | 
     except BaseException:
         # a failure after the manifest was written (in a hook) leaves a committed
         # checkpoint: its data must stay
-        if not _committed(storage, save_id):
+        if not committed(storage, save_id):
             storage.remove(fname)
             storage.remove(index_name(fname))
         raise
@@ -339,14 +339,6 @@ def finish_save(comm: Comm, storage: Storage, planned: Planned, local: _Local | 
                 fn()
             except Exception as e:  # noqa: BLE001 - the checkpoint is committed; retention may try again next save
                 warnings.warn(f"shardpoint: cleaning up old checkpoints after the save failed: {e}", stacklevel=2)
-
-
-def _committed(storage: Storage, save_id: str) -> bool:
-    """Whether the manifest at ``storage`` is the one of save ``save_id``."""
-    try:
-        return read_manifest(storage).save_id == save_id
-    except ShardpointError:  # no (readable) manifest: not committed
-        return False
 
 
 #: Called with the name of each phase boundary of a save ("planned", "written",

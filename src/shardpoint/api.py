@@ -12,21 +12,12 @@ from typing import Any
 import torch
 
 from ._gc import gc_paused
-from ._load import (
-    Reader,
-    TreeLoad,
-    _Selector,
-    load_per_rank,
-    materialise_tree,
-    read_manifest,
-    saved_chunks,
-)
-from ._save import _committed, _Local, after_commit_hook, describe, save_collective
-from .adapters import LoadHooks
-from .collective import Comm, agree
-from .errors import CorruptCheckpointError, ShardpointError
+from ._save import _Local, after_commit_hook, describe, save_collective
+from .collective import Comm
 from .format.datafile import dtype_from_name, itemsize_of
-from .format.manifest import decode_value
+from .format.manifest import decode_value, read_manifest
+from .load.pipeline import LoadOptions, load_state, read_whole
+from .load.place import saved_chunks
 from .report import LoadReport
 from .storage import Storage, storage_for
 from .tree import matches_prefix
@@ -131,107 +122,8 @@ def load(
         A :class:`LoadReport` saying what this rank loaded, created, skipped, and
         what is missing or unexpected.
     """
-    comm = Comm(process_group, timeout)
-    storage = storage_for(path, storage_options)
-    comm.arrive("load", storage.url)
-    select = _Selector(only, exclude)
-    report = LoadReport()
-    hooks = LoadHooks()
-    # 1. every rank: read the manifest, let the owners prepare, check the keys (nothing modified yet)
-    err: BaseException | None = None
-    top: TreeLoad | None = None
-    manifest = None
-    try:
-        manifest = read_manifest(storage)
-        report.world_size = manifest.world_size
-        top = _prepare(state, manifest, select, report, strict, comm.rank, hooks)
-    except Exception as e:  # noqa: BLE001 - fanned out to every rank
-        err = e
-    agree(comm, None, err)
-    assert top is not None and manifest is not None
-    # 2. which checkpoint keys some rank of this job holds (the rest may be created)
-    held = _held_anywhere(comm, top, manifest)
-    # 3. every rank: read its share, fill in place, let the owners settle
-    try:
-        _read_and_fill(top, manifest, storage, select, report, strict, create, verify, held, comm.rank)
-        hooks.after_load(report, comm.rank)
-        err = None
-    except Exception as e:  # noqa: BLE001
-        err = e
-    agree(comm, None, err)
-    # 4. only once every rank succeeded: the owners' collective follow-up (DeepSpeed's weight refresh)
-    hooks.loaded()
-    return report.sort()
-
-
-def _prepare(state: Any, manifest: Any, select: _Selector, report: LoadReport, strict: bool, rank: int,
-             hooks: LoadHooks) -> TreeLoad:
-    """The owners' prepare hooks, the walk of the local state and the key check."""
-    try:
-        w = hooks.prepare(state, manifest.tree.entries, select)
-    except TypeError as e:  # the walk names the key that cannot be saved
-        raise ShardpointError(str(e)) from None
-    top = TreeLoad(w, manifest.tree, select, report, rank=rank)
-    top.check(strict)
-    return top
-
-
-def _held_anywhere(comm: Comm, top: TreeLoad, manifest: Any) -> set[str]:
-    """The checkpoint keys that some rank's local state holds (collective)."""
-    names = sorted(manifest.tree.entries)
-    local = set(top.walk.leaves) | set(top.walk.per_rank)
-    flags = comm.any_true(torch.tensor([1 if k in local else 0 for k in names], dtype=torch.uint8))
-    return {k for k, f in zip(names, flags.tolist()) if f}
-
-
-def _read_and_fill(top: TreeLoad, manifest: Any, storage: Storage, select: _Selector, report: LoadReport,
-                   strict: bool, create: bool, verify: bool, held: set[str], rank: int) -> None:
-    """Plan this rank's reads (its tree and its per-rank values), read them verified,
-    and place every value; Stateful objects get ``load_state_dict``."""
-    reader = Reader(storage, manifest, verify)
-    top.plan(reader, held.__contains__, create)
-    loads = [top]
-    for key, entry in manifest.tree.entries.items():
-        if entry["kind"] == "per_rank" and select(key) and key in top.walk.per_rank:
-            loads += load_per_rank(key, top.walk.per_rank[key], entry, rank, select, reader, report, strict, create)
-    _run_reads(reader, storage, manifest)
-    report.bytes_read = reader.bytes_read
-    for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
-        _fill_per_rank(top.walk, tl)
-    top.fill(top.walk.root, "")
-
-
-def _run_reads(reader: Reader, storage: Storage, manifest: Any) -> None:
-    """Run the reads; a checksum failure on a checkpoint that is no longer the one
-    this load opened (replaced or removed meanwhile) is reported as that."""
-    try:
-        reader.run()
-    except CorruptCheckpointError:
-        if not _committed(storage, manifest.save_id):
-            raise ShardpointError(
-                f"the checkpoint at {storage.url} was replaced or removed while this load read it (a save "
-                "with overwrite=True, or retention, deleted the files this load was reading); nothing is "
-                "damaged. Load again (the targets may be partly filled)"
-            ) from None
-        raise
-
-
-def _fill_per_rank(w: Any, tl: TreeLoad) -> None:
-    root = tl.walk.root
-    key = next(k for k, sub in w.per_rank.items() if sub is tl.walk)
-    value = tl.fill(root, key)
-    # the PerRank object itself is reachable from the parent walk's per_rank node
-    _set_per_rank_value(w.root, key, tl.walk, value)
-
-
-def _set_per_rank_value(node: Any, key: str, sub: Any, value: Any) -> bool:
-    if node.kind == "per_rank" and node.inner is sub.root:
-        node.obj.value = value
-        return True
-    for child in node.children.values():
-        if _set_per_rank_value(child, key, sub, value):
-            return True
-    return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, key, sub, value)
+    options = LoadOptions(strict=strict, only=only, exclude=exclude, create=create, verify=verify)
+    return load_state(Comm(process_group, timeout), storage_for(path, storage_options), state, options)
 
 
 @gc_paused()
@@ -239,12 +131,7 @@ def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bo
     """Read a checkpoint in one process, no process group needed: the nested state
     with full CPU tensors (numpy arrays where numpy arrays were saved). A per-rank
     value comes back as ``{rank: value}``. ``keys`` limits it to key prefixes."""
-    storage = storage_for(path, storage_options)
-    manifest = read_manifest(storage)
-    reader = Reader(storage, manifest, verify)
-    value = materialise_tree(manifest.tree, "", reader, select=_Selector(keys, None))
-    reader.run()
-    return value
+    return read_whole(storage_for(path, storage_options), keys, verify)
 
 
 @dataclass(frozen=True, slots=True)

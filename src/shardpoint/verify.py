@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._load import IO_THREADS, Reader, _validate_saved, saved_chunks
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.datafile import crc32, itemsize_of
 from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from .format.refs import with_refs
+from .load.place import IO_THREADS, Reader, _validate_saved, saved_chunks
 from .plan import Box
 from .storage import Storage, storage_for
 

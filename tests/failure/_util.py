@@ -36,8 +36,8 @@ def as_v1(path: Path) -> dict[str, Any]:
     with its file, byte offset, length and CRCs, read from the version 2 indexes):
     the cases that damage chunk fields apply to it, and it exercises the version 1
     reader, which every later version keeps."""
-    from shardpoint._load import Reader, saved_chunks
     from shardpoint.format.manifest import read_manifest
+    from shardpoint.load.place import Reader, saved_chunks
     from shardpoint.storage import storage_for
 
     doc = manifest(path)

@@ -375,3 +375,12 @@ def read_manifest(storage: Storage) -> Manifest:
     except OSError as e:
         raise CorruptCheckpointError(f"{where} cannot be read ({e}); check the path and its permissions") from None
     return Manifest.parse(data, where=where)
+
+
+def committed(storage: Storage, save_id: str) -> bool:
+    """Whether the manifest at ``storage`` is the one of save ``save_id`` (not
+    replaced or removed since)."""
+    try:
+        return read_manifest(storage).save_id == save_id
+    except (CheckpointNotFoundError, CorruptCheckpointError, ValueError):  # no (readable) manifest: not committed
+        return False

@@ -12,17 +12,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, KeyMismatchError, ShardpointError
-from .format import layouts
-from .format.datafile import crc32, dtype_from_name, itemsize_of
-from .format.index import Located, chunk_name, parse_index
-from .format.manifest import Manifest, Tree, decode_value, read_manifest  # noqa: F401 - re-exported
-from .format.refs import with_refs
-from .layout import chunks_of
-from .plan import Box, PlanError, box_runs, plan_reads, validate_partition
-from .report import LoadReport
-from .storage import Storage
-from .tree import Node, PerRank, Walk, decode_key, encode_key, join, matches_prefix
+from ..errors import CorruptCheckpointError, KeyMismatchError, ShardpointError
+from ..format import layouts
+from ..format.datafile import crc32, dtype_from_name, itemsize_of
+from ..format.index import Located, chunk_name, parse_index
+from ..format.manifest import Manifest, Tree, decode_value, read_manifest  # noqa: F401 - re-exported
+from ..format.refs import with_refs
+from ..layout import chunks_of
+from ..plan import Box, PlanError, box_runs, plan_reads, validate_partition
+from ..report import LoadReport
+from ..storage import Storage
+from ..tree import Node, PerRank, Walk, decode_key, encode_key, join, matches_prefix
 
 #: Threads that read and verify chunks in parallel.
 IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))

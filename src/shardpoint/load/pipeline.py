@@ -1,0 +1,151 @@
+"""The one owner of a load: every step of a collective load runs from
+:func:`load_state` (and of a one-process read from :func:`read_whole`), in order:
+
+1. locate: read the manifest; let the state's owners prepare; walk the local state
+   and check its keys against the checkpoint (nothing is modified yet); agree.
+2. which checkpoint keys some rank holds (the rest may be created).
+3. read plan and read: schedule this rank's byte ranges, read them in parallel,
+   verified; place every value in place, create what is missing, call
+   ``load_state_dict``; agree.
+4. the owners' collective follow-up, once every rank succeeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..adapters import LoadHooks
+from ..collective import Comm, agree
+from ..errors import CorruptCheckpointError, ShardpointError
+from ..format.manifest import Manifest, committed, read_manifest
+from ..report import LoadReport
+from ..storage import Storage
+from ..tree import Node, Walk
+from .place import Reader, TreeLoad, _Selector, load_per_rank, materialise_tree
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadOptions:
+    """What a caller of :func:`shardpoint.load` chose (see its docstring)."""
+
+    strict: bool = True
+    only: list[str] | str | None = None
+    exclude: list[str] | str | None = None
+    create: bool = True
+    verify: bool = True
+
+
+def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -> LoadReport:
+    """Load the checkpoint at ``storage`` into ``state`` on every rank of ``comm``."""
+    comm.arrive("load", storage.url)
+    select = _Selector(options.only, options.exclude)
+    report = LoadReport()
+    hooks = LoadHooks()
+    # 1. every rank: read the manifest, let the owners prepare, check the keys (nothing modified yet)
+    err: BaseException | None = None
+    top: TreeLoad | None = None
+    manifest: Manifest | None = None
+    try:
+        manifest = read_manifest(storage)
+        report.world_size = manifest.world_size
+        top = _prepare(state, manifest, select, report, options.strict, comm.rank, hooks)
+    except Exception as e:  # noqa: BLE001 - fanned out to every rank
+        err = e
+    agree(comm, None, err)
+    assert top is not None and manifest is not None
+    # 2. which checkpoint keys some rank of this job holds (the rest may be created)
+    held = _held_anywhere(comm, top, manifest)
+    # 3. every rank: read its share, fill in place, let the owners settle
+    try:
+        _read_and_fill(top, manifest, storage, select, report, options, held, comm.rank)
+        hooks.after_load(report, comm.rank)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    agree(comm, None, err)
+    # 4. only once every rank succeeded: the owners' collective follow-up (DeepSpeed's weight refresh)
+    hooks.loaded()
+    return report.sort()
+
+
+def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> Any:
+    """The nested state of a checkpoint with full CPU tensors, in one process."""
+    manifest = read_manifest(storage)
+    reader = Reader(storage, manifest, verify)
+    value = materialise_tree(manifest.tree, "", reader, select=_Selector(keys, None))
+    reader.run()
+    return value
+
+
+def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadReport, strict: bool, rank: int,
+             hooks: LoadHooks) -> TreeLoad:
+    """The owners' prepare hooks, the walk of the local state and the key check."""
+    try:
+        w = hooks.prepare(state, manifest.tree.entries, select)
+    except TypeError as e:  # the walk names the key that cannot be saved
+        raise ShardpointError(str(e)) from None
+    top = TreeLoad(w, manifest.tree, select, report, rank=rank)
+    top.check(strict)
+    return top
+
+
+def _held_anywhere(comm: Comm, top: TreeLoad, manifest: Manifest) -> set[str]:
+    """The checkpoint keys that some rank's local state holds (collective)."""
+    names = sorted(manifest.tree.entries)
+    local = set(top.walk.leaves) | set(top.walk.per_rank)
+    flags = comm.any_true(torch.tensor([1 if k in local else 0 for k in names], dtype=torch.uint8))
+    return {k for k, f in zip(names, flags.tolist()) if f}
+
+
+def _read_and_fill(top: TreeLoad, manifest: Manifest, storage: Storage, select: _Selector, report: LoadReport,
+                   options: LoadOptions, held: set[str], rank: int) -> None:
+    """Plan this rank's reads (its tree and its per-rank values), read them verified,
+    and place every value; Stateful objects get ``load_state_dict``."""
+    reader = Reader(storage, manifest, options.verify)
+    top.plan(reader, held.__contains__, options.create)
+    loads = [top]
+    for key, entry in manifest.tree.entries.items():
+        if entry["kind"] == "per_rank" and select(key) and key in top.walk.per_rank:
+            loads += load_per_rank(key, top.walk.per_rank[key], entry, rank, select, reader, report,
+                                   options.strict, options.create)
+    _run_reads(reader, storage, manifest)
+    report.bytes_read = reader.bytes_read
+    for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
+        _fill_per_rank(top.walk, tl)
+    top.fill(top.walk.root, "")
+
+
+def _run_reads(reader: Reader, storage: Storage, manifest: Manifest) -> None:
+    """Run the reads; a checksum failure on a checkpoint that is no longer the one
+    this load opened (replaced or removed meanwhile) is reported as that."""
+    try:
+        reader.run()
+    except CorruptCheckpointError:
+        if not committed(storage, manifest.save_id):
+            raise ShardpointError(
+                f"the checkpoint at {storage.url} was replaced or removed while this load read it (a save "
+                "with overwrite=True, or retention, deleted the files this load was reading); nothing is "
+                "damaged. Load again (the targets may be partly filled)"
+            ) from None
+        raise
+
+
+def _fill_per_rank(w: Walk, tl: TreeLoad) -> None:
+    root = tl.walk.root
+    key = next(k for k, sub in w.per_rank.items() if sub is tl.walk)
+    value = tl.fill(root, key)
+    # the PerRank object itself is reachable from the parent walk's per_rank node
+    _set_per_rank_value(w.root, tl.walk, value)
+
+
+def _set_per_rank_value(node: Node, sub: Walk, value: Any) -> bool:
+    if node.kind == "per_rank" and node.inner is sub.root:
+        node.obj.value = value
+        return True
+    for child in node.children.values():
+        if _set_per_rank_value(child, sub, value):
+            return True
+    return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, sub, value)
