@@ -347,10 +347,10 @@ def role_save(cfg: dict[str, Any]) -> None:
     if why_async:
         rec.rows["sp_async"] = {"error": why_async}
     else:
-        from shardpoint import asyncsave
+        from shardpoint.runtime import PROCESS
 
         def drop_staging() -> None:  # a true first call: the staging buffer is allocated again
-            asyncsave._staging.buf = None
+            PROCESS.staging = None
 
         async_rows("sp_async", lambda p: sp.save(state, p, blocking=False), lambda h: h.wait(), drop_staging)
         if "overlap" in inspect.signature(sp.save).parameters:

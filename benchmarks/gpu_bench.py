@@ -243,9 +243,9 @@ class Bench:
                                "note": "stall: time for save() to return; extra step: step beside the copy minus alone"}
             print(f"   {name}: stall {statistics.median(stalls):.3f} s, extra step {statistics.median(extras):.3f} s",
                   file=sys.stderr, flush=True)
-        from shardpoint import asyncsave
+        from shardpoint.runtime import PROCESS
 
-        asyncsave._staging.buf = None
+        PROCESS.staging = None
         self.free_pinned()
 
     def dcp_rows(self, model: Any, opt: Any) -> None:

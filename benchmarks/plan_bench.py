@@ -16,7 +16,7 @@ runs on the coordinator: ``dedup_save_plans``, ``create_default_global_save_plan
 the merge of planner data, and ``_validate_global_plan`` (bounds, overlap sweep,
 coverage). shardpoint: ``shardpoint.plan.plan_save`` on the vectorised chunk table
 (dedup, bounds, overlap and coverage validation, writer balancing), and
-``shardpoint._save.make_plan`` from the per-rank metadata dicts that ``save``
+``shardpoint.saving.coordinator.make_plan`` from the per-rank metadata dicts that ``save``
 all-gathers (the whole coordinator-free planning step every rank runs).
 Gathering the per-rank inputs is not timed for either.
 """
@@ -191,7 +191,7 @@ def sp_table(lay: dict[str, Any], world: int) -> tuple[Any, np.ndarray]:
 
 
 def sp_metas(lay: dict[str, Any], world: int) -> list[dict[str, Any]]:
-    """Per-rank metadata in the form shardpoint.save all-gathers (see _save.describe)."""
+    """Per-rank metadata in the form shardpoint.save all-gathers (see shardpoint.saving.describe)."""
     names, shapes = lay["names"], lay["shapes"]
     nds = [len(s) for s in shapes]
     offs = lay["offs"].transpose(1, 0, 2).tolist()
@@ -255,7 +255,7 @@ def main() -> int:
         print(f"   shardpoint plan_save: {s:.3f}s {[round(x, 3) for x in runs]}", file=sys.stderr)
         del table, plan
     try:
-        from shardpoint._save import make_plan
+        from shardpoint.saving.coordinator import make_plan
     except Exception as e:  # noqa: BLE001
         res["sp_make_plan"] = {"error": f"not available: {type(e).__name__}: {e}"}
     else:

@@ -179,7 +179,9 @@ def simulate(world: int, n: int) -> dict[str, Any]:
     import numpy as np
     from plan_bench import build_layouts, sp_metas
 
-    from shardpoint import _coordinator as co
+    from shardpoint.runtime import PROCESS
+    from shardpoint.saving import coordinator as co
+    from shardpoint.saving.records import WriteStatus
 
     lay = build_layouts(world, n)
     metas = sp_metas(lay, world)
@@ -187,14 +189,16 @@ def simulate(world: int, n: int) -> dict[str, Any]:
     wire = []
     ref = None
     for m in metas:  # as _save._plan_phase sends them: rank 0's structure, the others' boxes
-        digest, lay = co.layout_message(co.layout_of(m), ref)
+        layout = {k: m[k] for k in ("containers", "tensors", "chunks")}
+        layout["per_rank"] = {p: {k: d[k] for k in ("containers", "tensors", "chunks")} for p, d in m["per_rank"].items()}
+        digest, lay = co.layout_message(layout, ref)
         ref = ref or lay["sd"]
-        wire.append(json.dumps({"digest": digest, "plan": None, "layout": lay, "values": co.values_of(m)},
+        wire.append(json.dumps({"digest": digest, "plan": None, "layout": lay, "values": {"values": m["values"], "per_rank": {p: d["values"] for p, d in m["per_rank"].items()}}},
                                separators=(",", ":")).encode())
     del metas
     gc.collect()
     out: dict[str, Any] = {"world": world, "tensors": n, "coord_recv_plan": sum(len(b) for b in wire)}
-    co.forget()
+    PROCESS.forget_plans()
     coord = co.Coordinator("sim", world)
     t0 = time.perf_counter()
     msgs = [json.loads(b) for b in wire]
@@ -214,6 +218,7 @@ def simulate(world: int, n: int) -> dict[str, Any]:
                          "replicas": [check.tolist(), [int(plan.group[a + i]) for i in check]],
                          "index": {"name": f"r{r:05d}-{coord.save_id}.index.json", "size": 1000, "sha256": "0" * 64}})
     out["coord_recv_status"] = sum(len(json.dumps(s, separators=(",", ":"))) for s in statuses)
+    statuses = [WriteStatus.from_wire(s, r) for r, s in enumerate(statuses)]
     t0 = time.perf_counter()
     co.check_replicas(plan, statuses)
     t1 = time.perf_counter()
@@ -239,7 +244,7 @@ def simulate(world: int, n: int) -> dict[str, Any]:
     assert coord2.reused
     out["coord_recv_plan2"] = sum(len(b) for b in wire2)
     out["reply2_max"] = max(len(json.dumps(r, separators=(",", ":"))) for r in replies2)
-    co.forget()
+    PROCESS.forget_plans()
     return out
 
 

@@ -432,7 +432,7 @@ def test_overwrite_true_replaces_and_removes_old_data(tmp_path: Path) -> None:
 def test_overwrite_leaves_no_moment_without_a_loadable_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At every phase boundary of an overwriting save, a fresh load finds the old
     checkpoint whole (until the manifest is replaced) or the new one (after)."""
-    from shardpoint import _save
+    from shardpoint.runtime import PROCESS
 
     p = tmp_path / "ckpt"
     shardpoint.save({"w": torch.ones(1000), "step": 1}, p)
@@ -444,7 +444,7 @@ def test_overwrite_leaves_no_moment_without_a_loadable_checkpoint(tmp_path: Path
         assert len(values) == 1, f"{phase}: a mix of old and new values {values}"
         seen[phase] = (values.pop(), full["step"])
 
-    monkeypatch.setattr(_save, "phase_hook", look)
+    monkeypatch.setattr(PROCESS.seams, "phase", look)
     shardpoint.save({"w": torch.full((1000,), 2.0), "step": 2}, p, overwrite=True)
     assert seen == {"planned": (1.0, 1), "written": (1.0, 1), "before_commit": (1.0, 1), "committed": (2.0, 2)}
 

@@ -13,19 +13,20 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _save, asyncsave
+from shardpoint.runtime import PROCESS
+from shardpoint.saving import handle as asyncsave
 from tests._dist import run_ranks
 
 
 @pytest.fixture(autouse=True)
 def _no_hook():  # type: ignore[no-untyped-def]
     yield
-    _save.phase_hook = None
+    PROCESS.seams.phase = None
 
 
 def test_checkpoint_holds_the_state_at_the_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
     release = threading.Event()
-    _save.phase_hook = lambda phase: release.wait(30) if phase == "planned" else None
+    PROCESS.seams.phase = lambda phase: release.wait(30) if phase == "planned" else None
     w = torch.arange(1000, dtype=torch.float32)
     state = {"w": w, "step": 1, "nested": {"b": torch.ones(3, 3)}}
     h = shardpoint.save(state, tmp_path / "c", blocking=False)
@@ -46,7 +47,7 @@ def test_background_error_surfaces_on_wait_and_commits_nothing(tmp_path) -> None
         if phase == "written":
             raise OSError(28, "No space left on device (injected)")
 
-    _save.phase_hook = boom
+    PROCESS.seams.phase = boom
     h = shardpoint.save({"w": torch.ones(10)}, tmp_path / "c", blocking=False)
     with pytest.raises(shardpoint.ShardpointError, match="No space left"):
         h.wait()
@@ -56,11 +57,11 @@ def test_background_error_surfaces_on_wait_and_commits_nothing(tmp_path) -> None
 
 
 def test_error_surfaces_on_the_next_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    _save.phase_hook = lambda phase: (_ for _ in ()).throw(OSError("injected")) if phase == "written" else None
+    PROCESS.seams.phase = lambda phase: (_ for _ in ()).throw(OSError("injected")) if phase == "written" else None
     shardpoint.save({"w": torch.ones(10)}, tmp_path / "a", blocking=False)
     with pytest.raises(shardpoint.ShardpointError, match="injected"):
         shardpoint.save({"w": torch.ones(10)}, tmp_path / "b")
-    _save.phase_hook = None
+    PROCESS.seams.phase = None
     shardpoint.save({"w": torch.ones(10)}, tmp_path / "b")  # and then saving works again
     assert torch.equal(shardpoint.load_full(tmp_path / "b")["w"], torch.ones(10))
 
@@ -125,8 +126,8 @@ def test_exit_with_a_save_in_flight_warns_and_commits_nothing(tmp_path, hold: st
     during finalisation used to abort it with SIGABRT now and then)."""
     script = textwrap.dedent(f"""
         import threading, torch, shardpoint
-        from shardpoint import _save
-        _save.phase_hook = lambda phase: threading.Event().wait() if phase == {hold!r} else None
+        from shardpoint.runtime import PROCESS
+        PROCESS.seams.phase = lambda phase: threading.Event().wait() if phase == {hold!r} else None
         mgr = shardpoint.CheckpointManager({str(tmp_path)!r})
         mgr.save(shardpoint.TrainState(rng=False, w=torch.ones(100)), 7, blocking=False)
     """)
@@ -144,8 +145,8 @@ def test_exit_gives_a_save_in_flight_time_to_commit(tmp_path) -> None:  # type: 
     (within the exit grace), silently, and the process exits 0."""
     script = textwrap.dedent(f"""
         import time, torch, shardpoint
-        from shardpoint import _save
-        _save.phase_hook = lambda phase: time.sleep(1.0) if phase == "written" else None
+        from shardpoint.runtime import PROCESS
+        PROCESS.seams.phase = lambda phase: time.sleep(1.0) if phase == "written" else None
         mgr = shardpoint.CheckpointManager({str(tmp_path)!r})
         mgr.save(shardpoint.TrainState(rng=False, w=torch.ones(100)), 7, blocking=False)
     """)

@@ -275,8 +275,8 @@ def rich_state() -> dict:
 
 
 def test_document_reader_agrees_with_load_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardpoint._coordinator as coord_mod
     import shardpoint.format.datafile as df
+    import shardpoint.saving.coordinator as coord_mod
 
     # small checksum blocks, so chunks span several
     monkeypatch.setattr(df, "CRC_BLOCK", 16)
@@ -328,8 +328,8 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
 
 
 def test_block_checksums_catch_damage_in_any_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardpoint._coordinator as coord_mod
     import shardpoint.format.datafile as df
+    import shardpoint.saving.coordinator as coord_mod
 
     monkeypatch.setattr(df, "CRC_BLOCK", 64)
     monkeypatch.setattr(coord_mod, "CRC_BLOCK", 64)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _coordinator
 from shardpoint.format import datafile
 from shardpoint.layout import FlatShard
+from shardpoint.saving import coordinator as _coordinator
 
 BLOCK = 256  # bytes per CRC block in these tests
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _save
 from shardpoint.errors import KeyMismatchError
+from shardpoint.runtime import PROCESS
 
 
 def filled(value: float) -> torch.nn.Linear:
@@ -39,12 +39,12 @@ def _save_step(mgr: shardpoint.CheckpointManager, step: int, fail: bool = False)
         if phase == "written":
             raise OSError("injected failure after the data was written")
 
-    _save.phase_hook = boom
+    PROCESS.seams.phase = boom
     try:
         with pytest.raises(shardpoint.ShardpointError, match="injected"):
             mgr.save(state, step)
     finally:
-        _save.phase_hook = None
+        PROCESS.seams.phase = None
 
 
 def test_retention_keep_last_with_a_failed_save(tmp_path) -> None:  # type: ignore[no-untyped-def]

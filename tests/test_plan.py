@@ -436,7 +436,7 @@ def test_plan_reads_raises_on_uncovered_target() -> None:
 def _coord_msgs(world: int, rows: int, held: str | None = None, changed: int | None = None) -> list[dict]:
     """Messages of ``world`` ranks, each holding rows [r*rows, (r+1)*rows) of one tensor
     (rank ``changed`` holds one row fewer at the end: a different layout)."""
-    from shardpoint._coordinator import layout_message
+    from shardpoint.saving.coordinator import layout_message
 
     ref = None
     out = []
@@ -453,9 +453,10 @@ def _coord_msgs(world: int, rows: int, held: str | None = None, changed: int | N
 
 
 def test_coordinator_reuses_its_plan_only_for_the_same_layout() -> None:
-    from shardpoint import _coordinator as co
+    from shardpoint.runtime import PROCESS
+    from shardpoint.saving import coordinator as co
 
-    co.forget()
+    PROCESS.forget_plans()
     first = co.Coordinator("t", 4).plan_round(_coord_msgs(4, 3))
     plan_id = first[0]["plan_id"]
     assert all(r["assign"] == {"write": [[0, 1]], "check": []} for r in first)
@@ -473,14 +474,14 @@ def test_coordinator_reuses_its_plan_only_for_the_same_layout() -> None:
     assert not changed.reused and third[0]["plan_id"] != plan_id
     assert third[2]["assign"] == {"write": [[0, 2]], "check": []} and third[0]["assign"] == {"write": [[0, 1]], "check": []}
     # the coordinator lost its cache (a restarted rank 0): ranks that sent only a digest are asked again
-    co.forget()
+    PROCESS.forget_plans()
     lost = co.Coordinator("t", 4)
     ask = lost.plan_round(_coord_msgs(4, 3, held=third[0]["plan_id"]))
     assert ask == [{"resend": True}] * 4
     full = _coord_msgs(4, 3)
     answer = lost.plan_round([{"layout": dict(m["layout"], s=full[0]["layout"]["s"])} for m in full])
     assert all(r["assign"] == {"write": [[0, 1]], "check": []} for r in answer)
-    co.forget()
+    PROCESS.forget_plans()
 
 
 def _layout(tensors: dict, keys: list, offs: list, sizes: list) -> dict:
@@ -490,7 +491,7 @@ def _layout(tensors: dict, keys: list, offs: list, sizes: list) -> dict:
 
 def test_coordinator_errors_name_the_rank_and_the_key() -> None:
     """The coordinator's two structural errors name the rank (and key) and what to do."""
-    from shardpoint import _coordinator as co
+    from shardpoint.saving import coordinator as co
 
     t = {"w": {"dtype": "float32", "shape": [4], "numpy": False}}
     good = _layout(t, ["w"], [[0]], [[4]])
@@ -521,14 +522,14 @@ def test_the_manifests_fast_paths_agree_with_the_general_ones(case, perm) -> Non
     """The coordinator's vectorised paths (grids of dim-0 splits for all tensors at
     once, every rank's assignment ranges in one pass) give exactly what the per-tensor
     and per-rank code gives, ranks in any order."""
-    from shardpoint import _coordinator as co
+    from shardpoint.saving import coordinator as co
+    from shardpoint.saving.records import IndexRecord, WriteStatus
 
     world, rows, key_shapes, _itemsizes, _kinds = case
     ranks = [p for p in perm if p < world]  # rank numbers shuffled: irregular rank steps
     rows = sorted(((k, ranks[r], b) for k, r, b in rows), key=lambda x: x[1])
     plan = co.make_plan(_rank_layouts(world, rows, key_shapes))
-    statuses = [{"file": f"f{r}", "size": 1, "replicas": [[], []], "index": {"name": "i", "size": 1, "sha256": "0"}}
-                for r in range(world)]
+    statuses = [WriteStatus(f"f{r}", 1, IndexRecord("i", 1, "0")) for r in range(world)]
     values = [{"values": {}, "per_rank": {}}] * world
     fast = co.build_manifest(plan, values, statuses, "s").tree.entries
     original = co._row_split_grids

@@ -12,15 +12,17 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _save, _stage, asyncsave
+from shardpoint.runtime import PROCESS
+from shardpoint.saving import handle as asyncsave
+from shardpoint.saving import stage as _stage
 from tests._dist import run_ranks
 
 
 @pytest.fixture(autouse=True)
 def _reset():  # type: ignore[no-untyped-def]
     yield
-    _stage.copy_hook = None
-    _save.phase_hook = None
+    PROCESS.seams.copy = None
+    PROCESS.seams.phase = None
 
 
 def _hold_copy() -> tuple[threading.Event, threading.Event]:
@@ -32,7 +34,7 @@ def _hold_copy() -> tuple[threading.Event, threading.Event]:
             started.set()
             assert release.wait(60), "the test never released the copy"
 
-    _stage.copy_hook = hook
+    PROCESS.seams.copy = hook
     return started, release
 
 
@@ -82,7 +84,7 @@ def test_optimizer_step_waits_for_the_copy(tmp_path) -> None:  # type: ignore[no
         elif phase == "done":
             order.append("copy done")
 
-    _stage.copy_hook = hook
+    PROCESS.seams.copy = hook
     h = shardpoint.save(shardpoint.TrainState(model, opt, rng=False), tmp_path / "c", blocking=False, overlap=True)
     model(torch.randn(4, 16)).sum().backward()  # forward and backward beside the copy
     opt.step()  # waits for the copy, then changes the parameters and moments
@@ -140,14 +142,14 @@ def test_blocking_save_through_the_pool_is_bounded_and_byte_identical(tmp_path, 
     total = sum(t.numel() * t.element_size() for t in state.values())
     shardpoint.save(state, tmp_path / "direct")
     slot = 384 << 10  # not a divisor of the 1 MiB CRC block: checksums chain across pieces
-    monkeypatch.setattr(_stage, "FORCE_POOL", True)
-    monkeypatch.setattr(_stage, "_pool", _stage.Pool(slot_bytes=slot, slots=3))
-    _stage.stats.reset()
+    monkeypatch.setattr(PROCESS.seams, "force_pool", True)
+    monkeypatch.setattr(PROCESS, "pool", _stage.Pool(slot_bytes=slot, slots=3))
+    PROCESS.seams.counters.reset()
     shardpoint.save(state, tmp_path / "pool")
-    assert _stage.stats.pooled == total
-    assert _stage.stats.host_allocated == 3 * slot < total / 3
+    assert PROCESS.seams.counters.pooled == total
+    assert PROCESS.seams.counters.host_allocated == 3 * slot < total / 3
     shardpoint.save(state, tmp_path / "pool2")
-    assert _stage.stats.host_allocated == 3 * slot  # reused, not grown
+    assert PROCESS.seams.counters.host_allocated == 3 * slot  # reused, not grown
     files = [sorted(glob.glob(str(tmp_path / d / "*.safetensors"))) for d in ("direct", "pool")]
     assert [open(f, "rb").read() for f in files[0]] == [open(f, "rb").read() for f in files[1]]
     full = shardpoint.load_full(tmp_path / "pool")  # CRCs verified
@@ -162,10 +164,10 @@ def _by_need(rank: int, world: int, path: str) -> tuple[int, int, int]:
     state = {f"w{i}": torch.randn(64, 256) for i in range(16)}  # 1 MiB replicated on every rank (DDP-like)
     shardpoint.save(state, path + "/async", blocking=False).wait()
     staged = asyncsave.staging_nbytes()
-    _stage.FORCE_POOL = True  # the device path: replicas another rank writes are checksummed through the pool
-    _stage.stats.reset()
+    PROCESS.seams.force_pool = True  # the device path: replicas another rank writes are checksummed through the pool
+    PROCESS.seams.counters.reset()
     shardpoint.save(state, path + "/pool")
-    return staged, _stage.stats.host_allocated, sum(t.numel() * t.element_size() for t in state.values())
+    return staged, PROCESS.seams.counters.host_allocated, sum(t.numel() * t.element_size() for t in state.values())
 
 
 @pytest.mark.distributed

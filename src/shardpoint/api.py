@@ -11,14 +11,15 @@ from typing import Any
 
 import torch
 
-from ._gc import gc_paused
-from ._save import _Local, after_commit_hook, describe, save_collective
 from .collective import Comm
+from .errors import UsageError
 from .format.datafile import dtype_from_name, itemsize_of
 from .format.manifest import decode_value, read_manifest
 from .load.pipeline import LoadOptions, load_state, read_whole
 from .load.place import saved_chunks
 from .report import LoadReport
+from .saving.handle import SaveHandle
+from .saving.pipeline import SaveOptions, save_state
 from .storage import Storage, storage_for
 from .tree import matches_prefix
 
@@ -26,7 +27,6 @@ PathLike = str | os.PathLike[str] | Storage
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-@gc_paused()
 def save(
     state: Any,
     path: PathLike,
@@ -37,7 +37,7 @@ def save(
     blocking: bool = True,
     overlap: bool = False,
     storage_options: dict[str, Any] | None = None,
-) -> Any:
+) -> SaveHandle | None:
     """Save ``state`` to ``path``. Collective: every rank of ``process_group`` (default:
     the whole job; no group at all without torch.distributed) calls it with its own
     local state.
@@ -66,30 +66,12 @@ def save(
             ``handle.wait_staged()`` first, or the save fails naming the key and
             commits nothing (docs/async.md).
     """
-    comm = Comm(process_group, timeout)
-    storage = storage_for(path, storage_options)
-    after_commit = after_commit_hook.get()
     if overlap and blocking:
-        raise ValueError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
-    if not blocking:
-        from .asyncsave import save_async
-
-        return save_async(comm, storage, state, overwrite, after_commit, overlap=overlap)
-    from .asyncsave import wait_in_flight
-
-    wait_in_flight()  # one save at a time: an earlier async save commits (or raises) first
-    comm.arrive("save", storage.url)
-    local: _Local | None = None
-    err: BaseException | None = None
-    try:
-        local = describe(state, comm.rank)
-    except Exception as e:  # noqa: BLE001 - fanned out to every rank
-        err = e
-    save_collective(comm, storage, local, err, overwrite, after_commit)
-    return None
+        raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
+    return save_state(Comm(process_group, timeout), storage_for(path, storage_options), state,
+                      SaveOptions(overwrite=overwrite), blocking=blocking, overlap=overlap)
 
 
-@gc_paused()
 def load(
     state: Any,
     path: PathLike,
@@ -126,7 +108,6 @@ def load(
     return load_state(Comm(process_group, timeout), storage_for(path, storage_options), state, options)
 
 
-@gc_paused()
 def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True, storage_options: dict[str, Any] | None = None) -> Any:
     """Read a checkpoint in one process, no process group needed: the nested state
     with full CPU tensors (numpy arrays where numpy arrays were saved). A per-rank
@@ -187,7 +168,7 @@ def save_offline(rank_states: Iterable[tuple[int, Any]], path: PathLike, *, worl
     """Write a checkpoint as if ``world_size`` ranks had saved it, from one process,
     holding one rank's state at a time (converters). Replicated chunks are written
     by the first rank that has them and checked against the others."""
-    from ._offline import save_offline as _impl
+    from .saving.offline import save_offline as _impl
 
     _impl(rank_states, storage_for(path, storage_options), world_size=world_size, overwrite=overwrite)
 

@@ -13,6 +13,8 @@ __all__ = [
     "CorruptCheckpointError",
     "KeyMismatchError",
     "CollectiveMismatchError",
+    "UsageError",
+    "SaveTimeoutError",
 ]
 
 
@@ -45,3 +47,12 @@ class CollectiveMismatchError(ShardpointError):
         super().__init__(message)
         #: The ranks the error is about (absent, disagreeing or failed ranks).
         self.ranks: list[int] = sorted(ranks or [])
+
+
+class UsageError(ShardpointError, ValueError):
+    """An argument or a state that shardpoint cannot take (a bad option, a value it
+    cannot save); also a ``ValueError``, so ``except ValueError`` keeps working."""
+
+
+class SaveTimeoutError(ShardpointError, TimeoutError):
+    """A wait on an asynchronous save's handle ran out of time; the save goes on."""

@@ -11,14 +11,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from . import _save
-from ._incremental import Tracker
-from .api import DEFAULT_TIMEOUT, PathLike, load, save
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .api import DEFAULT_TIMEOUT, PathLike, load
+from .collective import Comm
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from .format.digest import is_sealed, seal, unseal
 from .format.manifest import MANIFEST_NAME, read_manifest
 from .format.refs import split_ref
 from .report import LoadReport
+from .saving.handle import SaveHandle
+from .saving.incremental import Session, Tracker
+from .saving.pipeline import SaveOptions, save_state
 from .storage import Storage, storage_for
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -127,12 +129,12 @@ class CheckpointManager:
         self.process_group, self.timeout = process_group, timeout
         self._storage_options = storage_options
         self._restored: int | None = None
-        self._pending: Any = None
+        self._pending: SaveHandle | None = None
         self._preempt = threading.Event()
         self._old_handlers: dict[int, Any] = {}
         self.incremental = incremental
         self._tracker = Tracker() if incremental else None
-        self._session: Any = None
+        self._session: Session | None = None
 
     # -- discovery ------------------------------------------------------------------
     @staticmethod
@@ -225,7 +227,7 @@ class CheckpointManager:
         return bool(self.list())
 
     # -- save -----------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, blocking: bool = True, overlap: bool = False) -> Any:
+    def save(self, state: Any, step: int, *, blocking: bool = True, overlap: bool = False) -> SaveHandle | None:
         """Save ``state`` as step ``step``. Collective. After the commit, ``latest``
         points at it and retention runs (rank 0), deleting only committed checkpoints
         the policy does not keep (never the new one nor the one restored from) and
@@ -237,28 +239,26 @@ class CheckpointManager:
         name = self.step_dir(step)
         target = self.storage.child(name)
 
-        def after_commit() -> Any:
+        def point_latest() -> None:
             self.storage.write_atomic(LATEST, seal(json.dumps({"latest": name}, separators=(",", ":")).encode()))
-            return lambda: self._retain(newest=step)  # after every rank returned from the commit
 
-        token = _save.after_commit_hook.set(after_commit)
+        if overlap and blocking:
+            raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
         session = self._tracker.begin(name) if self._tracker is not None else None
-        itoken = _save.incremental_hook.set(session)
+        options = SaveOptions(overwrite=True, on_commit=point_latest, after_commit=lambda: self._retain(newest=step),
+                              incremental=session)
         try:
-            handle = save(state, target, process_group=self.process_group, timeout=self.timeout,
-                          overwrite=True, blocking=blocking, overlap=overlap)
+            handle = save_state(Comm(self.process_group, self.timeout), target, state, options,
+                                blocking=blocking, overlap=overlap)
         except BaseException:
             if self._tracker is not None:
                 self._tracker.reset()
             raise
-        finally:
-            _save.after_commit_hook.reset(token)
-            _save.incremental_hook.reset(itoken)
-        if not blocking:
+        if handle is not None:
             handle.step = step
             self._pending, self._session = handle, session
-        elif session is not None:
-            self._tracker.commit(session)  # type: ignore[union-attr]
+        elif session is not None and self._tracker is not None:
+            self._tracker.commit(session)
         return handle
 
     def wait(self) -> None:
@@ -342,7 +342,7 @@ class CheckpointManager:
                 the checkpoint to resume from (or of ``step``) is damaged; the message
                 names the file. Also everything :func:`shardpoint.load` raises.
         """
-        from .asyncsave import settle_in_flight
+        from .saving.handle import settle_in_flight
 
         settle_in_flight()
         if step is None:

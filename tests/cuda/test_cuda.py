@@ -21,7 +21,10 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _rng, _stage, asyncsave
+from shardpoint import _rng
+from shardpoint.runtime import PROCESS
+from shardpoint.saving import handle as asyncsave
+from shardpoint.saving import stage as _stage
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -36,7 +39,7 @@ GLOO_CUDA = {"SHARDPOINT_TEST_CUDA": "1"}
 @pytest.fixture(autouse=True)
 def _reset():  # type: ignore[no-untyped-def]
     yield
-    _stage.copy_hook = None
+    PROCESS.seams.copy = None
 
 
 def _model(seed: int = 0, device: str = "cuda") -> torch.nn.Module:
@@ -97,10 +100,10 @@ def test_blocking_save_of_cuda_tensors_goes_through_the_pinned_pool(tmp_path, mo
              "h": torch.randn(5000, device="cuda").to(torch.bfloat16), "c": torch.arange(7)}
     total = sum(t.numel() * t.element_size() for k, t in state.items() if t.is_cuda)
     slot = 256 << 10
-    monkeypatch.setattr(_stage, "_pool", _stage.Pool(slot_bytes=slot, slots=3))
-    _stage.stats.reset()
+    monkeypatch.setattr(PROCESS, "pool", _stage.Pool(slot_bytes=slot, slots=3))
+    PROCESS.seams.counters.reset()
     shardpoint.save(state, tmp_path / "c")
-    assert _stage.stats.pooled == total and _stage.stats.host_allocated == 3 * slot
+    assert PROCESS.seams.counters.pooled == total and PROCESS.seams.counters.host_allocated == 3 * slot
     assert _stage.pool().pinned
     full = shardpoint.load_full(tmp_path / "c")
     assert all(torch.equal(full[k], v.cpu()) for k, v in state.items())
@@ -130,7 +133,7 @@ def test_async_and_overlapped_saves_on_cuda(tmp_path) -> None:  # type: ignore[n
     mgr.save(state, 1, blocking=False)
     _train(model, opt)  # training goes on at once: the copy was taken
     mgr.wait()
-    assert asyncsave._staging.pinned
+    assert PROCESS.staging.pinned
     second = _snapshot(model)
     order: list[str] = []
     entered = threading.Event()
@@ -147,7 +150,7 @@ def test_async_and_overlapped_saves_on_cuda(tmp_path) -> None:  # type: ignore[n
         elif phase == "done":
             order.append("copy done")
 
-    _stage.copy_hook = hold
+    PROCESS.seams.copy = hold
     h = mgr.save(state, 2, blocking=False, overlap=True)
     assert not h.staged()  # returned before the copy (held until the step begins)
     _train(model, opt)  # forward and backward beside the copy; the step waits for it
@@ -163,7 +166,7 @@ def test_a_cuda_tensor_changed_during_the_copy_fails_the_save(tmp_path) -> None:
     w = torch.ones(1 << 20, device="cuda")
     shardpoint.save({"w": w}, tmp_path / "c")
     release = threading.Event()
-    _stage.copy_hook = lambda phase: release.wait(60) if phase == "start" else None
+    PROCESS.seams.copy = lambda phase: release.wait(60) if phase == "start" else None
     h = shardpoint.save({"w": w}, tmp_path / "c", blocking=False, overlap=True, overwrite=True)
     w.mul_(3)  # a kernel launched from this thread: its version bump is seen
     release.set()
@@ -329,12 +332,12 @@ def _replicas(rank: int, world: int, path: str) -> dict[str, Any]:
     mgr.save(state, 1, blocking=False)
     mgr.wait()
     staged = asyncsave.staging_nbytes()
-    _stage.stats.reset()
+    PROCESS.seams.counters.reset()
     mgr.save(state, 2)  # blocking: through the pinned pool; replicas the other rank writes are checksummed through it
-    pooled = _stage.stats.host_allocated
+    pooled = PROCESS.seams.counters.host_allocated
     at_call = {k: v.cpu().clone() for k, v in model.state_dict().items()}
     release = threading.Event()
-    _stage.copy_hook = lambda phase: release.wait(60) if phase == "start" else None
+    PROCESS.seams.copy = lambda phase: release.wait(60) if phase == "start" else None
     h = mgr.save(state, 3, blocking=False, overlap=True)
     staged_early = h.staged()
     release.set()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import _save
+from shardpoint.runtime import PROCESS
 from tests._dist import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -83,7 +83,7 @@ def check_does_not_wait_case(rank: int, world: int, root: str) -> dict:
         if phase == "written" and not released.wait(60):
             raise AssertionError("the preemption check waited for the save in flight")
 
-    _save.phase_hook = hold
+    PROCESS.seams.phase = hold
     mgr = shardpoint.CheckpointManager(root)
     state = shardpoint.TrainState(rng=False, w=_weights(rank * 0))
     t0 = time.monotonic()
@@ -93,7 +93,7 @@ def check_does_not_wait_case(rank: int, world: int, root: str) -> dict:
     in_flight = not mgr._pending.done()
     released.set()
     mgr.wait()
-    _save.phase_hook = None
+    PROCESS.seams.phase = None
     return {"checks": checks, "in_flight": in_flight, "took": took, "latest": mgr.latest().step}
 
 
@@ -111,7 +111,7 @@ def load_during_save_case(rank: int, world: int, root: str) -> dict:
         if phase == "written":
             time.sleep(1.0)
 
-    _save.phase_hook = slow
+    PROCESS.seams.phase = slow
     path = f"{root}/plain"
     h = shardpoint.save({"w": _weights(7)}, path, blocking=False)
     target = {"w": torch.zeros(64, 16)}
@@ -126,7 +126,7 @@ def load_during_save_case(rank: int, world: int, root: str) -> dict:
     restored_in_flight = not mgr._pending.done()
     w = torch.zeros(64, 16)
     report = mgr.restore(shardpoint.TrainState(rng=False, w=w))
-    _save.phase_hook = None
+    PROCESS.seams.phase = None
     mgr.wait()
     return {"was_in_flight": was_in_flight, "loaded": loaded, "restored_in_flight": restored_in_flight,
             "step": report.step, "restored": torch.equal(w, _weights(5))}
@@ -246,11 +246,11 @@ def test_arrival_costs_a_constant_number_of_store_operations_per_rank() -> None:
 _STUCK_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist, shardpoint
     from datetime import timedelta
-    from shardpoint import _save
+    from shardpoint.runtime import PROCESS
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     if rank == 0:  # holds the save between writing and the exchange of write statuses
-        _save.phase_hook = lambda phase: time.sleep(10) if phase == "written" else None
+        PROCESS.seams.phase = lambda phase: time.sleep(10) if phase == "written" else None
     mgr = shardpoint.CheckpointManager(sys.argv[1])
     mgr.save(shardpoint.TrainState(rng=False, w=torch.ones(1000)), 3, blocking=False)
     if rank == 0:

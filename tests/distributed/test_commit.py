@@ -49,7 +49,7 @@ class Boom(RuntimeError):
 def failing_rank_case(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
-    import shardpoint._save as save_mod
+    from shardpoint.runtime import PROCESS
 
     other, same, fresh = f"{tmp}/other", f"{tmp}/same", f"{tmp}/fresh"
     shardpoint.save(state(rank, world, 1), other)
@@ -62,7 +62,7 @@ def failing_rank_case(rank: int, world: int, tmp: str) -> dict:
             assert listing(same) != before[same] or listing(fresh), "the hook runs after the data is written"
             raise Boom("disk on fire after writing")
 
-    save_mod.phase_hook = hook
+    PROCESS.seams.phase = hook
     errors = {}
     for path, overwrite in ((same, True), (fresh, False)):
         try:
@@ -71,7 +71,7 @@ def failing_rank_case(rank: int, world: int, tmp: str) -> dict:
             errors[path] = (type(e).__name__, str(e), getattr(e, "ranks", None))
         else:
             errors[path] = None
-    save_mod.phase_hook = None
+    PROCESS.seams.phase = None
     dist.barrier()  # every rank has cleaned up after itself
     out = {"errors": errors, "same": listing(same), "fresh": listing(fresh), "before": before,
            "manifest_same": Path(same, "manifest.json").read_bytes() == manifest_before,
@@ -110,7 +110,7 @@ def test_rank_failing_after_write_leaves_no_manifest(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("phase", ["before_commit", "committed"])
 def test_failure_around_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
-    import shardpoint._save as save_mod
+    from shardpoint.runtime import PROCESS
 
     p = str(tmp_path / "ckpt")
     shardpoint.save(state(0, 1, 1), p)
@@ -120,11 +120,11 @@ def test_failure_around_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         if at == phase:
             raise Boom(at)
 
-    monkeypatch.setattr(save_mod, "phase_hook", hook)
+    monkeypatch.setattr(PROCESS.seams, "phase", hook)
     with pytest.raises(shardpoint.ShardpointError, match=f"Boom: {phase}") as ei:
         shardpoint.save(state(0, 1, 2), p, overwrite=True)
     assert isinstance(ei.value.__cause__, Boom)
-    monkeypatch.setattr(save_mod, "phase_hook", None)
+    monkeypatch.setattr(PROCESS.seams, "phase", None)
     if phase == "before_commit":  # not committed: the old checkpoint, and nothing else
         assert listing(p) == old
         check_loads(p, 1)

@@ -37,11 +37,11 @@ def _state(rank: int, world: int, fill: float, rows: int = ROWS) -> dict:
 
 def _save_three_times(rank: int, world: int, root: str) -> dict:
     import shardpoint
-    from shardpoint import _save
     from shardpoint.collective import traffic
+    from shardpoint.runtime import PROCESS
 
     def plan_id() -> str:  # the id of the plan this rank's assignment came from
-        (held,) = _save._assignments.values()
+        (held,) = PROCESS.assignments.values()
         return held[1]
 
     path = Path(root) / f"w{world}"

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 import shardpoint
-from shardpoint import _save, collective
+from shardpoint import collective
 from shardpoint.layout import FlatShard
+from shardpoint.runtime import PROCESS
 from shardpoint.storage import LocalStorage, Storage
 from shardpoint.verify import verify
 from tests.failure._storage import KillMidWrite
@@ -103,7 +104,7 @@ def train(rank: int, world: int, port: int, root: str, kill: dict[str, Any], q: 
             if phase == kill["phase"] and saves == kill["save"]:
                 _die()
 
-        _save.phase_hook = hook
+        PROCESS.seams.phase = hook
     try:
         for step in range(start + 1, start + 1 + kill.get("max_steps", 40)):
             saves += 1

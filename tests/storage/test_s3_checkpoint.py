@@ -107,13 +107,13 @@ def test_save_on_2_ranks_load_resharded_on_3(s3_endpoint: S3Server, s3_bucket: s
 def _manager_ranks(
     rank: int, world: int, root: str, options: dict[str, Any], steps: list[int], kill_at: int | None
 ) -> None:
-    from shardpoint import _save
+    from shardpoint.runtime import PROCESS
 
     mgr = shardpoint.CheckpointManager(root, keep_last=2, storage_options=options)
     for step in steps:
         if step == kill_at and rank == 0:
             # every rank's data is uploaded; rank 0 dies just before writing the manifest
-            _save.phase_hook = lambda phase: (
+            PROCESS.seams.phase = lambda phase: (
                 os.kill(os.getpid(), signal.SIGKILL) if phase == "before_commit" else None
             )
         mgr.save(_state(rank, world, step, zeros=False), step)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._gc import gc_paused
 from ..adapters import LoadHooks
 from ..collective import Comm, agree
 from ..errors import CorruptCheckpointError, ShardpointError
@@ -38,6 +39,7 @@ class LoadOptions:
     verify: bool = True
 
 
+@gc_paused()
 def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -> LoadReport:
     """Load the checkpoint at ``storage`` into ``state`` on every rank of ``comm``."""
     comm.arrive("load", storage.url)
@@ -71,6 +73,7 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
     return report.sort()
 
 
+@gc_paused()
 def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> Any:
     """The nested state of a checkpoint with full CPU tensors, in one process."""
     manifest = read_manifest(storage)

@@ -21,36 +21,27 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from .errors import ShardpointError
+from ..errors import ShardpointError
+from ..format import datafile
+from ..format.index import chunk_name
+from ..runtime import PROCESS
+from .records import Assignment, Described, Staged
 
 #: Bytes of one slot of the blocking save's staging pool (``SHARDPOINT_STAGING_SLOT_MB``).
 SLOT_BYTES = int(float(os.environ.get("SHARDPOINT_STAGING_SLOT_MB", 64)) * (1 << 20))
 #: Slots in the pool: up to ``SLOTS - 1`` pieces are copied ahead of the one being written.
 SLOTS = int(os.environ.get("SHARDPOINT_STAGING_SLOTS", 4))
-#: Route CPU tensors through the pool too (tests; ``SHARDPOINT_FORCE_POOL=1``): the
-#: path device tensors take, minus the device.
-FORCE_POOL = os.environ.get("SHARDPOINT_FORCE_POOL", "") == "1"
 _ALIGN = 64
-
-#: Called by the staging copy with ``"start"`` before its first byte and ``"done"``
-#: after its last (tests slow or hold the copy with it, deterministically).
-copy_hook: Callable[[str], Any] | None = None
-
-
-def _fire(phase: str) -> None:
-    if copy_hook is not None:
-        copy_hook(phase)
 
 
 def needs_pool(v: torch.Tensor) -> bool:
     """Whether the blocking save copies ``v`` through the pool (device memory)."""
-    return v.device.type != "cpu" or FORCE_POOL
+    return v.device.type != "cpu" or PROCESS.seams.force_pool
 
 
 def byte_view(v: torch.Tensor) -> torch.Tensor:
@@ -64,34 +55,16 @@ def byte_view(v: torch.Tensor) -> torch.Tensor:
 
 def _cuda_stream(device: torch.device) -> Any:
     """This thread's copy stream for ``device`` (one per device and thread)."""
-    cache = _streams.__dict__.setdefault("by_device", {})
+    cache = PROCESS.cuda_streams.__dict__.setdefault("by_device", {})
     s = cache.get(device)
     if s is None:
         s = cache[device] = torch.cuda.Stream(device=device)
     return s
 
 
-_streams = threading.local()
-
-
 def _host(nbytes: int, pinned: bool) -> torch.Tensor:
-    stats.host_allocated += nbytes
+    PROCESS.seams.counters.host_allocated += nbytes
     return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-
-
-class _Stats:
-    """Counters for tests and benchmarks: host staging bytes allocated (pool slots,
-    staging buffers), and the bytes that went through the pool."""
-
-    def __init__(self) -> None:
-        self.host_allocated = 0
-        self.pooled = 0
-
-    def reset(self) -> None:
-        self.host_allocated = self.pooled = 0
-
-
-stats = _Stats()
 
 
 class Pool:
@@ -168,7 +141,7 @@ class Copier:
                 event.record(stream)
         else:
             dst.copy_(src)
-        stats.pooled += src.numel()
+        PROCESS.seams.counters.pooled += src.numel()
         self._ahead.append((i, dst, event))
         return True
 
@@ -236,8 +209,6 @@ def sources(views: Sequence[torch.Tensor], pool: Pool) -> list[Source]:
 def block_crcs_of(views: Sequence[torch.Tensor], pool: Pool) -> list[list[int]]:
     """The block CRCs of each view's bytes (what the writer would record), without a
     host copy of a whole view: CPU views in place, device views through ``pool``."""
-    from .format import datafile
-
     block = datafile.CRC_BLOCK
     out = []
     for src in sources(views, pool):
@@ -259,12 +230,109 @@ def block_crcs_of(views: Sequence[torch.Tensor], pool: Pool) -> list[list[int]]:
     return out
 
 
-_pool = Pool()
-
-
 def pool() -> Pool:
-    """The process's blocking-save pool (allocated on first use, then reused)."""
-    return _pool
+    """The process's blocking-save pool (made on first use, then reused)."""
+    if PROCESS.pool is None:
+        PROCESS.pool = Pool()
+    return PROCESS.pool
+
+
+def staging() -> Staging:
+    """The process's asynchronous staging buffer (made on first use, then reused)."""
+    if PROCESS.staging is None:
+        PROCESS.staging = Staging()
+    return PROCESS.staging
+
+
+# -- what this rank writes ------------------------------------------------------------------
+
+
+class Stage:
+    """Staging by need for one save on this rank: the rows its assignment gives it to
+    write (and its per-rank values' chunks), in file order, and the replica rows it
+    only checksums (another rank writes them).
+
+    :meth:`in_place` (a blocking save) leaves the bytes where they are, for the writer
+    to stream (device tensors through the pool). :meth:`copy` (an asynchronous save)
+    copies them into the reused staging buffer; after :meth:`guard` (an overlapped
+    save) the copy fails if a tensor changed since the guard was taken. Replica rows
+    another rank writes are checksummed where they are, never copied whole."""
+
+    def __init__(self, described: Described, assignment: Assignment) -> None:
+        self.described = described
+        n = len(described.views)
+        self.check = assignment.mask("check", n)
+        mine = assignment.written_rows(n)
+        rows = described.rows
+        self.rows: list[int | None] = list(mine)
+        self.names = [chunk_name(rows.keys[i], rows.offsets[i]) for i in mine]
+        self.views = [described.views[i] for i in mine]
+        # a per-rank chunk's key is what a message names
+        self.keys = [rows.keys[i] for i in mine]
+        for pkey, sub in described.per_rank.items():
+            for i, v in enumerate(sub.views):
+                if v.numel():
+                    self.rows.append(None)
+                    self.names.append(chunk_name(sub.rows.keys[i], sub.rows.offsets[i], per_rank=True))
+                    self.views.append(v)
+                    self.keys.append(pkey)
+        self.others = assignment.checked_only(n)
+        self.keys += [rows.keys[i] for i in self.others]
+        # what the guard watches: the rows copied and the replica rows checksummed in place
+        self.watched = self.views + [described.views[i] for i in self.others]
+        self.before: list[int | None] | None = None
+        self.after: dict[torch.device, Any] = {}
+
+    def in_place(self) -> Staged:
+        """The bytes as they are (a blocking save), with the replica rows' checksums."""
+        return Staged(self.rows, self.names, self.views, self._checked(self.watched[len(self.views):]))
+
+    def guard(self) -> None:
+        """Before returning to the caller (overlap): take the version counters and
+        mark the caller's streams, so the background copy reads the state as of now
+        and fails if it changed."""
+        self.before = versions(self.watched)
+        self.after = mark(self.watched)
+
+    def copy(self) -> Staged:
+        """Copy what this rank writes into the staging buffer (an asynchronous save)."""
+        after = self.after or mark(self.views)
+        dsts = staging().allocate(self.views)
+        copy_into(dsts, self.views, after)
+        checked = self._checked(self.watched[len(self.views):])
+        if self.before is not None:
+            check_versions(self.keys, self.watched, self.before)
+        return Staged(self.rows, self.names, dsts, checked)
+
+    def _checked(self, others: list[torch.Tensor]) -> dict[int, list[int]]:
+        return dict(zip(self.others, block_crcs_of(others, pool())))
+
+
+def optimizers(obj: Any, depth: int = 0, out: list[torch.optim.Optimizer] | None = None) -> list[torch.optim.Optimizer]:
+    """The torch optimizers in a state: in its containers, and a TrainState's (or any
+    owner's) ``optimizer``; the overlapped save holds their next step until its copy
+    is taken."""
+    out = [] if out is None else out
+    if depth > 6:
+        return out
+    if isinstance(obj, torch.optim.Optimizer):
+        if not any(o is obj for o in out):
+            out.append(obj)
+        return out
+    if isinstance(obj, dict):
+        for v in obj.values():
+            optimizers(v, depth + 1, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            optimizers(v, depth + 1, out)
+    else:
+        opt = getattr(obj, "optimizer", None)
+        if opt is not None:
+            optimizers(opt, depth + 1, out)
+        extra = getattr(obj, "extra", None)
+        if isinstance(extra, dict):
+            optimizers(extra, depth + 1, out)
+    return out
 
 
 # -- asynchronous staging ------------------------------------------------------------------
@@ -319,7 +387,7 @@ def mark(views: Sequence[torch.Tensor]) -> dict[torch.device, Any]:
 def copy_into(dsts: Sequence[torch.Tensor], views: Sequence[torch.Tensor], after: dict[torch.device, Any]) -> None:
     """Copy ``views`` into the host tensors ``dsts``: device tensors on a copy stream
     per device (after the events ``after``), waiting for exactly those copies."""
-    _fire("start")
+    PROCESS.seams.fire_copy("start")
     pending = []
     for d, v in zip(dsts, views):
         if v.numel() == 0:
@@ -340,7 +408,7 @@ def copy_into(dsts: Sequence[torch.Tensor], views: Sequence[torch.Tensor], after
         done.append(ev)
     for ev in done:
         ev.synchronize()
-    _fire("done")
+    PROCESS.seams.fire_copy("done")
 
 
 # -- the version guard -----------------------------------------------------------------------

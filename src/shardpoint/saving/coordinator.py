@@ -22,30 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
-from ._gc import gc_paused
-from .errors import ShardpointError
-from .format import layouts
-from .format.datafile import CRC_BLOCK, itemsize_of
-from .format.manifest import Manifest, Tree
-from .plan import ChunkTable, PlanError, plan_save
-
-#: The parts of a rank's description that make its layout (the rest are values).
-_LAYOUT_KEYS = ("containers", "tensors", "chunks")
-
-
-def layout_of(meta: dict[str, Any]) -> dict[str, Any]:
-    """The layout part of a rank's description: structure, tensor shapes and dtypes,
-    chunk boxes (top level and per-rank values). Values are left out: a step counter
-    changes every save, the layout does not."""
-    out = {k: meta[k] for k in _LAYOUT_KEYS}
-    out["per_rank"] = {p: {k: d[k] for k in _LAYOUT_KEYS} for p, d in meta["per_rank"].items()}
-    return out
-
-
-def values_of(meta: dict[str, Any]) -> dict[str, Any]:
-    """The plain values of a rank's description (top level and per-rank)."""
-    return {"values": meta["values"], "per_rank": {p: d["values"] for p, d in meta["per_rank"].items()}}
+from .._gc import gc_paused
+from .._version import __version__
+from ..errors import ShardpointError
+from ..format import layouts
+from ..format.datafile import CRC_BLOCK, itemsize_of
+from ..format.manifest import Manifest, Tree
+from ..plan import ChunkTable, PlanError, plan_save
+from ..runtime import PROCESS
+from .records import WriteStatus
 
 
 def layout_digest(layout: Any) -> str:
@@ -278,13 +263,13 @@ def replica_digest(crcs: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-def check_replicas(plan: Plan, statuses: list[dict[str, Any]]) -> None:
+def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     """Raise naming key and ranks when replicated bytes differ between ranks.
-    Each status lists ``replicas``: ``[rows, digests]`` (rows in the rank's own
-    order, :func:`replica_digest` of each); compared group by group in arrays."""
+    Each status lists its replica rows (in the rank's own order) and the
+    :func:`replica_digest` of each; compared group by group in arrays."""
     groups, digests, ranks = [], [], []
     for r, st in enumerate(statuses):
-        rows, ds = st["replicas"]
+        rows, ds = st.replica_rows, st.replica_digests
         if rows:
             groups.append(plan.group[int(plan.row_start[r]) + np.asarray(rows, dtype=np.int64)])
             digests.append(np.asarray(ds, dtype=np.int64))
@@ -399,7 +384,7 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
     return out
 
 
-def build_manifest(plan: Plan, values: list[dict[str, Any]], statuses: list[dict[str, Any]], save_id: str) -> Manifest:
+def build_manifest(plan: Plan, values: list[dict[str, Any]], statuses: list[WriteStatus], save_id: str) -> Manifest:
     """The manifest from the plan, the ranks' values and where each rank's file is:
     each tensor described by its layout (:mod:`shardpoint.format.layouts`)."""
     t = plan.table
@@ -424,23 +409,21 @@ def build_manifest(plan: Plan, values: list[dict[str, Any]], statuses: list[dict
                 sub = _tree(d["containers"], values[r]["per_rank"].get(pkey, {}), d["tensors"], _per_rank_placed(d, r))
                 ranks[str(r)] = sub.to_json()
         tree.entries[pkey] = {"kind": "per_rank", "ranks": ranks}
-    files = {st["file"]: {"size": st["size"], "rank": r, "index": st["index"]}
-             for r, st in enumerate(statuses) if st["file"]}
+    files = {st.file: {"size": st.size, "rank": r, "index": st.index.wire()}
+             for r, st in enumerate(statuses) if st.file is not None and st.index is not None}
     return Manifest(world_size=len(statuses), created=time.time(), save_id=save_id, tree=tree, files=files,
                     crc_block=CRC_BLOCK, library_version=__version__)
 
 
 @dataclass(slots=True)
-class _Cached:
+class CachedPlan:
+    """The last plan of a process group, kept on its coordinator (rank 0)."""
+
     combined: str
     digests: list[str]
     layouts: list[dict[str, Any]]
     structures: dict[str, dict[str, Any]]
     plan: Plan
-
-
-#: The last plan of each process group (by the Comm's tag), kept on the coordinator.
-_cache: dict[str, _Cached] = {}
 
 
 def _combined(digests: list[str]) -> str:
@@ -475,7 +458,7 @@ class Coordinator:
         assignment of; ``values``) and answer each rank with its assignment (None
         when it holds it already), or with ``resend`` when some layouts or
         structures are not known here (then every rank sends its whole layout)."""
-        cached = _cache.get(self.tag)
+        cached = PROCESS.plans.get(self.tag)
         if cached is not None and len(cached.digests) != self.world:
             cached = None
         if cached is not None:
@@ -507,7 +490,7 @@ class Coordinator:
             self.plan, self.reused = cached.plan, True
         else:
             self.plan = make_plan(self.layouts)  # type: ignore[arg-type]
-            _cache[self.tag] = _Cached(combined, digests, self.layouts, self.structures, self.plan)  # type: ignore[arg-type]
+            PROCESS.plans[self.tag] = CachedPlan(combined, digests, self.layouts, self.structures, self.plan)  # type: ignore[arg-type]
         merge_values(self.plan, self.values)  # disagreeing values fail before anything is written
         self.save_id = uuid.uuid4().hex[:12]
         held = [m.get("plan") == combined for m in msgs]
@@ -515,17 +498,9 @@ class Coordinator:
         return [{"save_id": self.save_id, "plan_id": combined, "assign": None if h else a}
                 for h, a in zip(held, assign)]
 
-    def manifest(self, statuses: list[dict[str, Any]]) -> Manifest:
+    def manifest(self, statuses: list[WriteStatus]) -> Manifest:
         """Check replicas and build the manifest from the ranks' write statuses."""
         assert self.plan is not None
         with gc_paused():
             check_replicas(self.plan, statuses)
             return build_manifest(self.plan, self.values, statuses, self.save_id)
-
-
-def forget(tag: str | None = None) -> None:
-    """Drop the cached plan of one process group (all when None)."""
-    if tag is None:
-        _cache.clear()
-    else:
-        _cache.pop(tag, None)

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from .errors import ShardpointError
-from .format.datafile import CRC_BLOCK, WrittenChunk, crc32, tensor_bytes
-from .format.index import Located
-from .format.refs import split_ref
-from .storage import Storage
+from ..errors import ShardpointError
+from ..format.datafile import CRC_BLOCK, WrittenChunk, crc32, tensor_bytes
+from ..format.index import Located
+from ..format.refs import split_ref
+from ..storage import Storage
 
 #: Bytes of SHA-256 kept as a chunk's content digest (128 bits).
 DIGEST_BYTES = 16

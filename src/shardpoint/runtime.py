@@ -1,0 +1,110 @@
+"""Everything shardpoint keeps for the life of a process, in one object.
+
+:data:`PROCESS` is the only mutable state shardpoint holds between calls:
+
+* ``plans``: rank 0's last save plan of each process group (the coordinator reuses
+  it when every rank's layout is unchanged);
+* ``assignments``: this rank's last assignment in each process group (it sends the
+  coordinator only a digest when its layout is unchanged);
+* ``in_flight``: the asynchronous save still running, if any (one at a time);
+* ``staging`` and ``pool``: the host buffers saves copy through, reused;
+* ``seams``: what tests and benchmarks may set or read (phase hooks, counters).
+
+Its lifecycle:
+
+* first use: created empty at import; buffers are allocated by the first save
+  that needs them and kept;
+* ``fork``: a child (a DataLoader worker) forgets the parent's save in flight and
+  its plans (:meth:`Process.forget_parent`): they belong to the parent, whose gloo
+  threads the child does not have;
+* exit: the save in flight gets a grace period to commit before the interpreter
+  winds down (:mod:`shardpoint.saving.handle` registers that hook), then the
+  checkpoint channels are released (:mod:`shardpoint.collective`).
+
+The process group channels themselves live in :mod:`shardpoint.collective`, the
+only module that talks to torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: the owner sits below the pipeline that fills it
+    from .saving.coordinator import CachedPlan
+    from .saving.handle import SaveHandle
+    from .saving.records import HeldAssignment
+    from .saving.stage import Pool, Staging
+
+
+@dataclass(slots=True)
+class Counters:
+    """Bytes the save path moved (tests and benchmarks read and reset them)."""
+
+    host_allocated: int = 0  # host staging bytes allocated (pool slots, staging buffers)
+    pooled: int = 0  # bytes copied through the blocking save's pool
+
+    def reset(self) -> None:
+        self.host_allocated = self.pooled = 0
+
+
+@dataclass(slots=True)
+class Seams:
+    """The points where tests hold, slow or kill a save deterministically, and the
+    counters benchmarks read. Production code only calls them; nothing here changes
+    what a save writes."""
+
+    #: Called with each phase boundary of a save ("planned", "written",
+    #: "before_commit", "committed"); the failure tests kill a rank there.
+    phase: Callable[[str], object] | None = None
+    #: Called by the staging copy with "start" before its first byte and "done" after its last.
+    copy: Callable[[str], object] | None = None
+    #: Route CPU tensors through the blocking save's pool too (``SHARDPOINT_FORCE_POOL=1``):
+    #: the path device tensors take, minus the device.
+    force_pool: bool = os.environ.get("SHARDPOINT_FORCE_POOL", "") == "1"
+    counters: Counters = field(default_factory=Counters)
+
+    def fire_phase(self, name: str) -> None:
+        if self.phase is not None:
+            self.phase(name)
+
+    def fire_copy(self, name: str) -> None:
+        if self.copy is not None:
+            self.copy(name)
+
+
+@dataclass(slots=True)
+class Process:
+    """The process-wide state of shardpoint (see the module docstring)."""
+
+    plans: dict[str, CachedPlan] = field(default_factory=dict)
+    assignments: dict[str, HeldAssignment] = field(default_factory=dict)
+    in_flight: SaveHandle | None = None
+    staging: Staging | None = None
+    pool: Pool | None = None
+    seams: Seams = field(default_factory=Seams)
+    #: Per thread: the CUDA copy stream of each device (made on first use).
+    cuda_streams: threading.local = field(default_factory=threading.local)
+
+    def forget_plans(self, tag: str | None = None) -> None:
+        """Drop the cached plans and assignments of one process group (all when None):
+        the next save sends and plans every layout again."""
+        if tag is None:
+            self.plans.clear()
+            self.assignments.clear()
+        else:
+            self.plans.pop(tag, None)
+            self.assignments.pop(tag, None)
+
+    def forget_parent(self) -> None:
+        """In a forked child: the parent's save in flight and plans are not ours."""
+        self.in_flight = None
+        self.forget_plans()
+
+
+#: The one owner of shardpoint's process-wide state.
+PROCESS = Process()
+os.register_at_fork(after_in_child=PROCESS.forget_parent)

@@ -1,0 +1,148 @@
+"""The one owner of a save: every step of a collective save runs from
+:func:`save_state`, in order:
+
+    describe -> arrive -> coordinate -> stage -> write -> commit -> after-commit
+
+1. describe (:mod:`.describe`): what this rank holds, in global coordinates.
+2. arrive: every rank of the group came for this save (:mod:`shardpoint.collective`).
+3. coordinate (:mod:`.coordinate`): one round trip to rank 0, which plans who writes
+   which bytes (replicated bytes once) and answers each rank with its assignment.
+4. stage (:mod:`.stage`): what this rank writes, in file order: in place (blocking),
+   or copied to a reused host buffer (asynchronous; in the background with
+   ``overlap``).
+5. write (:mod:`.write`): one data file per rank, checksummed as it streams,
+   fsynced, its index beside it; unchanged chunks referenced (incremental).
+6. commit (:mod:`.commit`): rank 0 checks replicas and writes the manifest last;
+   then the caller's ``on_commit`` (rank 0, before any rank returns).
+7. after-commit: the caller's ``after_commit`` (rank 0, after every rank returned:
+   retention).
+
+A failure at any step raises on every rank and commits nothing. A blocking save
+runs the steps on the caller's thread; ``blocking=False`` runs steps 5-7 on a
+background thread after staging, and ``overlap=True`` moves step 4's copy there
+too. Nothing else differs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .._gc import gc_paused
+from ..collective import Comm
+from ..runtime import PROCESS
+from ..storage import Storage
+from .commit import commit
+from .coordinate import plan
+from .coordinator import Coordinator
+from .describe import data_file, describe
+from .handle import SaveHandle, wait_in_flight
+from .incremental import Session
+from .records import Described, Planned, Staged, WriteStatus
+from .stage import Stage, optimizers
+from .write import write
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveOptions:
+    """How a save runs, beyond the state and the path."""
+
+    #: Replace a checkpoint already at the path (atomically); else refuse.
+    overwrite: bool = False
+    #: Rank 0, right after the manifest is written, before any rank returns (the
+    #: manager points ``latest`` here); its failure fails the save, which stays committed.
+    on_commit: Callable[[], None] | None = None
+    #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
+    after_commit: Callable[[], None] | None = None
+    #: This rank's incremental session: chunks it finds unchanged are referenced, not written.
+    incremental: Session | None = None
+
+
+@gc_paused()
+def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *, blocking: bool = True,
+               overlap: bool = False) -> SaveHandle | None:
+    """Save ``state`` to ``storage`` on every rank of ``comm`` (see :func:`shardpoint.save`).
+    Returns None when ``blocking``, else the handle of the save continuing in the background."""
+    wait_in_flight()  # one save at a time: an earlier asynchronous save commits (or raises) first
+    comm.arrive("save", storage.url)
+    described, error = _attempt(describe, state)
+    handle = None if blocking else SaveHandle(storage.url)
+    try:
+        planned, coord = plan(comm, storage, described, error, options.overwrite)
+    except Exception as e:
+        if handle is None:
+            raise
+        handle._fail(e)  # surfaced on wait(), as every error of an asynchronous save
+        PROCESS.in_flight = handle
+        return handle
+    assert described is not None
+    stage = Stage(described, planned.assignment)
+    if handle is None:
+        _finish(comm, storage, planned, coord, described, stage.in_place, options)
+        return None
+    if overlap:
+        stage.guard()
+        handle._hold_optimizers(optimizers(state))
+        staging: Callable[[], Staged] = stage.copy
+    else:
+        staged, error = _attempt(stage.copy)
+        handle._staged.set()
+
+        def staging() -> Staged:
+            if error is not None:
+                raise error
+            assert staged is not None
+            return staged
+
+    def background() -> None:
+        try:
+            _finish(comm, storage, planned, coord, described, staging, options, handle)
+        except BaseException as e:  # noqa: BLE001 - surfaced on wait()
+            handle._error = e
+        finally:
+            handle._staged.set()
+            handle._done.set()
+
+    PROCESS.in_flight = handle
+    handle._thread = comm.start_background(background, "shardpoint-save")
+    return handle
+
+
+def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, described: Described,
+            staging: Callable[[], Staged], options: SaveOptions, handle: SaveHandle | None = None) -> None:
+    """Stage (if not yet), write, commit, after-commit: every rank, every mode."""
+    staged, error = _attempt(staging)
+    if handle is not None:
+        handle._staged.set()
+    PROCESS.seams.fire_phase("planned")
+    fname = data_file(comm.rank, planned.save_id)
+    status: WriteStatus | None = None
+    if error is None:
+        check = planned.assignment.mask("check", len(described.views)).tolist()
+        assert staged is not None
+        status, error = _attempt(_write, storage, fname, staged, check, options.incremental)
+    commit(comm, storage, planned, coord, fname, status, error, options.on_commit)
+    if coord is not None and options.after_commit is not None:
+        try:
+            options.after_commit()
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; retention may try again next save
+            warnings.warn(f"shardpoint: cleaning up old checkpoints after the save failed: {e}", stacklevel=2)
+
+
+def _write(storage: Storage, fname: str, staged: Staged, check: list[bool], incremental: Session | None) -> WriteStatus:
+    status = write(storage, fname, staged, check, incremental)
+    PROCESS.seams.fire_phase("written")
+    return status
+
+
+def _attempt(fn: Callable[..., T], *args: Any) -> tuple[T | None, BaseException | None]:
+    """``fn(*args)`` and None, or None and its error: a rank's failure is carried to
+    the next collective step, which raises it on every rank."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - fanned out to every rank by the next collective
+        return None, e

@@ -1,0 +1,182 @@
+"""The records a save's stages hand each other, and their wire form.
+
+describe -> :class:`Described` (what this rank holds)
+coordinate -> :class:`Planned` (the save id and this rank's :class:`Assignment`)
+stage -> :class:`Staged` (the bytes this rank writes, in file order)
+write -> :class:`WriteStatus` (its file, its index, its replicas' checksums)
+
+The collective messages are JSON; every record that travels converts itself to
+and from that form here (``wire`` / ``from_wire``), nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import ShardpointError
+
+#: A JSON object as the collectives carry it.
+Wire = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRows:
+    """The chunk rows of one tree on one rank, in the rank's own order: the key each
+    belongs to and its box (offsets and sizes in global coordinates)."""
+
+    keys: list[str]
+    offsets: list[list[int]]
+    sizes: list[list[int]]
+
+    def wire(self) -> Wire:
+        return {"key": self.keys, "off": self.offsets, "size": self.sizes}
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """What one rank holds of one tree (the state, or one per-rank value): its
+    containers, its plain values (encoded), its tensors' dtypes and global shapes,
+    its chunk rows and, row by row, the tensor views behind them."""
+
+    containers: dict[str, str]
+    values: dict[str, Any]
+    tensors: dict[str, Wire]  # key -> {"dtype", "shape", "numpy"}
+    rows: ChunkRows
+    views: list[torch.Tensor]
+    per_rank: dict[str, Described]
+
+    def layout(self) -> Wire:
+        """The layout part of the description (what the coordinator plans from):
+        structure, tensor shapes and dtypes, chunk boxes, top level and per-rank.
+        Values are left out: a step counter changes every save, the layout does not."""
+        out = self._layout()
+        out["per_rank"] = {p: d._layout() for p, d in self.per_rank.items()}
+        return out
+
+    def _layout(self) -> Wire:
+        return {"containers": self.containers, "tensors": self.tensors, "chunks": self.rows.wire()}
+
+    def value_message(self) -> Wire:
+        """The plain values, top level and per-rank."""
+        return {"values": self.values, "per_rank": {p: d.values for p, d in self.per_rank.items()}}
+
+
+def _ranges(x: Any, what: str) -> tuple[tuple[int, int], ...]:
+    try:
+        return tuple((int(a), int(b)) for a, b in x)
+    except (TypeError, ValueError):
+        raise ShardpointError(f"malformed {what} in the coordinator's reply; every rank must run the same "
+                              "shardpoint version") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """What this rank does with its own chunk rows: the row ranges it ``write``\\ s to
+    its file, and those it ``check``\\ s (replicas, whose checksums rank 0 compares)."""
+
+    write: tuple[tuple[int, int], ...]
+    check: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def from_wire(m: Wire) -> Assignment:
+        return Assignment(_ranges(m["write"], "write ranges"), _ranges(m["check"], "check ranges"))
+
+    def wire(self) -> Wire:
+        return {"write": [list(r) for r in self.write], "check": [list(r) for r in self.check]}
+
+    def mask(self, which: str, n: int) -> np.ndarray:
+        """``write`` or ``check`` as a boolean mask over ``n`` rows."""
+        m = np.zeros(n, dtype=bool)
+        for a, b in getattr(self, which):
+            m[a:b] = True
+        return m
+
+    def written_rows(self, n: int) -> list[int]:
+        return np.nonzero(self.mask("write", n))[0].tolist()
+
+    def checked_only(self, n: int) -> list[int]:
+        """The replica rows this rank checksums but another rank writes."""
+        return np.nonzero(self.mask("check", n) & ~self.mask("write", n))[0].tolist()
+
+
+class HeldAssignment(NamedTuple):
+    """This rank's memory of its last save in a process group: its layout digest,
+    the id of the plan that answered it, and its assignment in that plan."""
+
+    digest: str
+    plan_id: str
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What coordination left for the rest of a save on this rank."""
+
+    save_id: str
+    assignment: Assignment
+    existed: bool  # a checkpoint was there before (rank 0 only: it removes the old files after the commit)
+
+
+class Staged(NamedTuple):
+    """What this rank writes, in file order: each chunk's row (None for a per-rank
+    value's chunk), name and bytes (a live view, or its staged copy); and the block
+    checksums of the replica rows another rank writes, by row."""
+
+    rows: list[int | None]
+    names: list[str]
+    views: list[torch.Tensor]
+    checked: dict[int, list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRecord:
+    """The index object written beside a data file, as the manifest commits it."""
+
+    name: str
+    size: int
+    sha256: str
+
+    def wire(self) -> Wire:
+        return {"name": self.name, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class WriteStatus:
+    """What one rank wrote: its data file (None when it wrote nothing), the file's
+    size and index, the checksum digests of its replica rows, and the earlier data
+    files it refers to (incremental saves: ref -> {"size", "bytes"})."""
+
+    file: str | None
+    size: int = 0
+    index: IndexRecord | None = None
+    replica_rows: tuple[int, ...] = ()
+    replica_digests: tuple[int, ...] = ()
+    refs: dict[str, dict[str, int]] | None = None
+
+    def wire(self) -> Wire:
+        out: Wire = {"file": self.file, "replicas": [list(self.replica_rows), list(self.replica_digests)]}
+        if self.file is not None:
+            assert self.index is not None
+            out["size"] = self.size
+            out["index"] = self.index.wire()
+        if self.refs:
+            out["refs"] = self.refs
+        return out
+
+    @staticmethod
+    def from_wire(m: Wire, rank: int) -> WriteStatus:
+        try:
+            rows, digests = m["replicas"]
+            index = m.get("index")
+            return WriteStatus(
+                file=m["file"], size=int(m.get("size", 0)),
+                index=IndexRecord(str(index["name"]), int(index["size"]), str(index["sha256"])) if index else None,
+                replica_rows=tuple(int(r) for r in rows), replica_digests=tuple(int(d) for d in digests),
+                refs=m.get("refs"))
+        except (KeyError, TypeError, ValueError):
+            raise ShardpointError(f"malformed write status from rank {rank}; every rank must run the same "
+                                  "shardpoint version") from None
