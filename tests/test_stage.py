@@ -13,8 +13,8 @@ import torch
 
 import shardpoint
 from shardpoint.runtime import PROCESS
+from shardpoint.saving import buffers as _stage
 from shardpoint.saving import handle as asyncsave
-from shardpoint.saving import stage as _stage
 from tests._dist import run_ranks
 
 

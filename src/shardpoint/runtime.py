@@ -34,10 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # types only: the owner sits below the pipeline that fills it
-    from .saving.coordinator import CachedPlan
-    from .saving.handle import SaveHandle
-    from .saving.records import HeldAssignment
-    from .saving.stage import Pool, Staging
+    pass
 
 
 @dataclass(slots=True)
@@ -78,13 +75,17 @@ class Seams:
 
 @dataclass(slots=True)
 class Process:
-    """The process-wide state of shardpoint (see the module docstring)."""
+    """The process-wide state of shardpoint (see the module docstring).
 
-    plans: dict[str, CachedPlan] = field(default_factory=dict)
-    assignments: dict[str, HeldAssignment] = field(default_factory=dict)
-    in_flight: SaveHandle | None = None
-    staging: Staging | None = None
-    pool: Pool | None = None
+    The owner sits below the pipelines that fill it, so it names none of their
+    types: each value is typed where it is made and narrowed (``isinstance``)
+    where it is read (:mod:`shardpoint.saving`)."""
+
+    plans: dict[str, object] = field(default_factory=dict)  # process group tag -> saving.coordinator.CachedPlan
+    assignments: dict[str, object] = field(default_factory=dict)  # tag -> saving.records.HeldAssignment
+    in_flight: object | None = None  # saving.handle.SaveHandle
+    staging: object | None = None  # saving.buffers.Staging
+    pool: object | None = None  # saving.buffers.Pool
     seams: Seams = field(default_factory=Seams)
     #: Per thread: the CUDA copy stream of each device (made on first use).
     cuda_streams: threading.local = field(default_factory=threading.local)

@@ -32,6 +32,7 @@ def plan(comm: Comm, storage: Storage, described: Described | None, error: BaseE
     # rank 0's structure digest: a rank whose structure is the same (the usual case) leaves its own out
     reference = comm.broadcast_json(whole["sd"] if whole is not None and comm.rank == 0 else None)
     held = PROCESS.assignments.get(comm.tag)
+    held = held if isinstance(held, HeldAssignment) else None
     msg = None
     if whole is not None and described is not None:
         lay = dict(whole, s=None) if comm.rank != 0 and whole["sd"] == reference else whole

@@ -459,7 +459,7 @@ class Coordinator:
         when it holds it already), or with ``resend`` when some layouts or
         structures are not known here (then every rank sends its whole layout)."""
         cached = PROCESS.plans.get(self.tag)
-        if cached is not None and len(cached.digests) != self.world:
+        if not isinstance(cached, CachedPlan) or len(cached.digests) != self.world:
             cached = None
         if cached is not None:
             self.structures.update(cached.structures)

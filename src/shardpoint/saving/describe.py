@@ -15,48 +15,52 @@ from ..errors import ShardpointError
 from ..format.datafile import dtype_name
 from ..format.manifest import encode_value
 from ..layout import chunks_of
-from ..tree import Walk, walk
+from ..tree import walk
 from .records import ChunkRows, Described
 
 
 def describe(state: Any) -> Described:
-    """This rank's description of ``state``; raises naming the key that cannot be saved."""
+    """This rank's description of ``state`` (and of each of its per-rank values);
+    raises naming the key that cannot be saved."""
     try:
         w = walk(state)
     except TypeError as e:
         raise ShardpointError(str(e)) from None
-    try:
-        return _describe(w, {key: _describe(sub, {}) for key, sub in w.per_rank.items()})
-    except ValueError as e:
-        raise ShardpointError(str(e)) from None
-
-
-def _describe(w: Walk, per_rank: dict[str, Described]) -> Described:
-    values: dict[str, Any] = {}
-    tensors: dict[str, dict[str, Any]] = {}
-    rows = ChunkRows([], [], [])
-    views: list[torch.Tensor] = []
-    for key, node in w.leaves.items():
-        if node.kind == "value":
+    described: dict[str, Described] = {}
+    # per-rank values first: the top level's description holds theirs
+    for pkey, sub in [*w.per_rank.items(), ("", w)]:
+        values: dict[str, Any] = {}
+        tensors: dict[str, dict[str, Any]] = {}
+        rows = ChunkRows([], [], [])
+        views: list[torch.Tensor] = []
+        for key, node in sub.leaves.items():
+            if node.kind == "value":
+                try:
+                    values[key] = encode_value(node.obj)
+                except TypeError:  # pragma: no cover - walk only lets plain values through
+                    raise ShardpointError(f"key {key!r}: cannot encode {type(node.obj).__name__}") from None
+                except ValueError as e:
+                    raise ShardpointError(str(e)) from None
+                continue
+            if isinstance(node.obj, torch.Tensor) and node.obj.layout != torch.strided:
+                raise ShardpointError(
+                    f"key {key!r} is a {node.obj.layout} tensor; shardpoint saves dense (strided) tensors only. "
+                    "Save `t.to_dense()` instead, and make it sparse again after loading")
             try:
-                values[key] = encode_value(node.obj)
-            except TypeError:  # pragma: no cover - walk only lets plain values through
-                raise ShardpointError(f"key {key!r}: cannot encode {type(node.obj).__name__}") from None
-            continue
-        if isinstance(node.obj, torch.Tensor) and node.obj.layout != torch.strided:
-            raise ShardpointError(
-                f"key {key!r} is a {node.obj.layout} tensor; shardpoint saves dense (strided) tensors only. "
-                f"Save `t.to_dense()` instead, and make it sparse again after loading")
-        lc = chunks_of(key, node.obj)
-        if any(v.device.type == "meta" for v in lc.views):
-            raise ShardpointError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")
-        tensors[key] = {"dtype": dtype_name(lc.dtype), "shape": list(lc.shape), "numpy": lc.numpy}
-        for b, v in zip(lc.boxes, lc.views):
-            rows.keys.append(key)
-            rows.offsets.append(list(b.offsets))
-            rows.sizes.append(list(b.sizes))
-            views.append(v)
-    return Described(w.containers, values, tensors, rows, views, per_rank)
+                lc = chunks_of(key, node.obj)
+            except ValueError as e:
+                raise ShardpointError(str(e)) from None
+            if any(v.device.type == "meta" for v in lc.views):
+                raise ShardpointError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")
+            tensors[key] = {"dtype": dtype_name(lc.dtype), "shape": list(lc.shape), "numpy": lc.numpy}
+            for b, v in zip(lc.boxes, lc.views):
+                rows.keys.append(key)
+                rows.offsets.append(list(b.offsets))
+                rows.sizes.append(list(b.sizes))
+                views.append(v)
+        per_rank = {} if pkey else described
+        described[pkey] = Described(sub.containers, values, tensors, rows, views, dict(per_rank))
+    return described[""]
 
 
 def data_file(rank: int, save_id: str) -> str:

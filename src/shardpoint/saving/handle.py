@@ -25,6 +25,7 @@ import torch
 from ..collective import close_channels
 from ..errors import SaveTimeoutError
 from ..runtime import PROCESS
+from .buffers import Staging
 
 #: Seconds a save still in flight at interpreter exit gets to commit before it is
 #: abandoned (``SHARDPOINT_EXIT_GRACE``).
@@ -111,7 +112,7 @@ class SaveHandle:
 def wait_in_flight() -> None:
     """Wait for the save in flight, if any (re-raising its error)."""
     h = PROCESS.in_flight
-    if h is not None:
+    if isinstance(h, SaveHandle):
         h.wait()
 
 
@@ -119,14 +120,15 @@ def settle_in_flight() -> None:
     """Wait for the save in flight, if any, to end; its error stays with its
     handle for :meth:`SaveHandle.wait` or the next save to raise."""
     h = PROCESS.in_flight
-    if h is not None:
+    if isinstance(h, SaveHandle):
         h._done.wait()
         h._join()
 
 
 def staging_nbytes() -> int:
     """Bytes held by the asynchronous staging buffer (tests and benchmarks)."""
-    return 0 if PROCESS.staging is None else PROCESS.staging.nbytes
+    s = PROCESS.staging
+    return s.nbytes if isinstance(s, Staging) else 0
 
 
 def _at_exit() -> None:
@@ -136,7 +138,7 @@ def _at_exit() -> None:
     here, not in the destructors that run while the process exits (one of them,
     now and then, aborted a clean exit with SIGABRT)."""
     h = PROCESS.in_flight
-    if h is None:
+    if not isinstance(h, SaveHandle):
         close_channels(release=True)
         return
     abandoned = not h._done.wait(EXIT_GRACE)

@@ -56,8 +56,7 @@ def save_offline(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, wo
             assignment = Assignment(tuple((i, i + 1) for i in np.nonzero(writer)[0].tolist()), tuple(nonempty))
             fname = data_file(rank, save_id)
             written += [fname, index_name(fname)]
-            check = assignment.mask("check", len(rows.keys)).tolist()
-            statuses[rank] = write(storage, fname, Stage(described, assignment).in_place(), check, None)
+            statuses[rank] = write(storage, fname, Stage(described, assignment).in_place(), None)
             layouts[rank], values[rank], writers[rank] = described.layout(), described.value_message(), writer
             del described, state
         absent = [r for r, m in enumerate(layouts) if m is None]

@@ -69,7 +69,12 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
     Returns None when ``blocking``, else the handle of the save continuing in the background."""
     wait_in_flight()  # one save at a time: an earlier asynchronous save commits (or raises) first
     comm.arrive("save", storage.url)
-    described, error = _attempt(describe, state)
+    described: Described | None = None
+    error: BaseException | None = None
+    try:
+        described = describe(state)
+    except Exception as e:  # noqa: BLE001 - fanned out to every rank by the plan
+        error = e
     handle = None if blocking else SaveHandle(storage.url)
     try:
         planned, coord = plan(comm, storage, described, error, options.overwrite)
@@ -82,7 +87,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
     assert described is not None
     stage = Stage(described, planned.assignment)
     if handle is None:
-        _finish(comm, storage, planned, coord, described, stage.in_place, options)
+        _finish(comm, storage, planned, coord, stage.in_place, options)
         return None
     if overlap:
         stage.guard()
@@ -100,7 +105,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
 
     def background() -> None:
         try:
-            _finish(comm, storage, planned, coord, described, staging, options, handle)
+            _finish(comm, storage, planned, coord, staging, options, handle)
         except BaseException as e:  # noqa: BLE001 - surfaced on wait()
             handle._error = e
         finally:
@@ -112,8 +117,8 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
     return handle
 
 
-def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, described: Described,
-            staging: Callable[[], Staged], options: SaveOptions, handle: SaveHandle | None = None) -> None:
+def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, staging: Callable[[], Staged],
+            options: SaveOptions, handle: SaveHandle | None = None) -> None:
     """Stage (if not yet), write, commit, after-commit: every rank, every mode."""
     staged, error = _attempt(staging)
     if handle is not None:
@@ -122,9 +127,8 @@ def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator |
     fname = data_file(comm.rank, planned.save_id)
     status: WriteStatus | None = None
     if error is None:
-        check = planned.assignment.mask("check", len(described.views)).tolist()
         assert staged is not None
-        status, error = _attempt(_write, storage, fname, staged, check, options.incremental)
+        status, error = _attempt(_write, storage, fname, staged, options.incremental)
     commit(comm, storage, planned, coord, fname, status, error, options.on_commit)
     if coord is not None and options.after_commit is not None:
         try:
@@ -133,8 +137,8 @@ def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator |
             warnings.warn(f"shardpoint: cleaning up old checkpoints after the save failed: {e}", stacklevel=2)
 
 
-def _write(storage: Storage, fname: str, staged: Staged, check: list[bool], incremental: Session | None) -> WriteStatus:
-    status = write(storage, fname, staged, check, incremental)
+def _write(storage: Storage, fname: str, staged: Staged, incremental: Session | None) -> WriteStatus:
+    status = write(storage, fname, staged, incremental)
     PROCESS.seams.fire_phase("written")
     return status
 

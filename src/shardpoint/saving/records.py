@@ -123,12 +123,14 @@ class Planned:
 
 class Staged(NamedTuple):
     """What this rank writes, in file order: each chunk's row (None for a per-rank
-    value's chunk), name and bytes (a live view, or its staged copy); and the block
-    checksums of the replica rows another rank writes, by row."""
+    value's chunk), name and bytes (a live view, or its staged copy); which of this
+    rank's rows are replicas whose checksums rank 0 compares; and the block checksums
+    of the replica rows another rank writes, by row."""
 
     rows: list[int | None]
     names: list[str]
     views: list[torch.Tensor]
+    check: list[bool]
     checked: dict[int, list[int]]
 
 

@@ -13,16 +13,17 @@ import torch
 from ..format.datafile import write_data_file
 from ..format.index import Located, digest, index_bytes, index_name
 from ..storage import Storage
+from .buffers import pool, sources
 from .coordinator import replica_digest
 from .incremental import Session
 from .records import IndexRecord, Staged, WriteStatus
-from .stage import pool, sources
 
 
-def write(storage: Storage, fname: str, staged: Staged, check: list[bool], incremental: Session | None) -> WriteStatus:
+def write(storage: Storage, fname: str, staged: Staged, incremental: Session | None) -> WriteStatus:
     """Write ``staged`` to ``fname`` (with its index); return the file's size, the
-    index's record and the checksum digests of the replica rows (``check``, by row):
-    those another rank writes (staged already) and those this rank writes."""
+    index's record and the checksum digests of the replica rows: those another rank
+    writes (checksummed when staged) and those this rank writes."""
+    check = staged.check
     replicas: dict[int, int] = {i: replica_digest(c) for i, c in staged.checked.items()}
     rows, names, views = staged.rows, staged.names, staged.views
     refs: list[tuple[str, Located, str]] = []
