@@ -10,11 +10,11 @@ against torch's own function on a sample of ranks):
   - 20%: HSDP, (Replicate, Shard(0)) over a 2-D mesh (replicated chunks to dedup);
   - 20%: FSDP x TP, (Shard(0), Shard(1)) over a 2-D mesh (2-D boxes, uneven columns).
 
-DCP: one ``SavePlan`` per rank of ``WriteItem``s as ``DefaultSavePlanner.create_local_plan``
+DCP: one ``Writers`` per rank of ``WriteItem``s as ``DefaultSavePlanner.create_local_plan``
 makes them for DTensors, then exactly what ``DefaultSavePlanner._create_global_plan``
 runs on the coordinator: ``dedup_save_plans``, ``create_default_global_save_plan``,
 the merge of planner data, and ``_validate_global_plan`` (bounds, overlap sweep,
-coverage). shardpoint: ``shardpoint.plan.plan_save`` on the vectorised chunk table
+coverage). shardpoint: ``shardpoint.plan.choose_writers`` on the vectorised chunk table
 (dedup, bounds, overlap and coverage validation, writer balancing), and
 ``shardpoint.saving.coordinator.make_plan`` from the per-rank metadata dicts that ``save``
 all-gathers (the whole coordinator-free planning step every rank runs).
@@ -118,7 +118,7 @@ def check_against_torch(lay: dict[str, Any], world: int, samples: int = 16) -> i
 def dcp_plans(lay: dict[str, Any], world: int) -> list[Any]:
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType, Writers
 
     names, shapes = lay["names"], lay["shapes"]
     nds = [len(s) for s in shapes]
@@ -142,7 +142,7 @@ def dcp_plans(lay: dict[str, Any], world: int) -> list[Any]:
                 ),
             ))
         # each rank's plan arrives unpickled, with its own copy of the flatten mapping
-        plans.append(SavePlan(items=items, planner_data=dict(mapping)))
+        plans.append(Writers(items=items, planner_data=dict(mapping)))
     return plans
 
 
@@ -244,15 +244,15 @@ def main() -> int:
 
     # shardpoint first, while the heap holds only its own inputs
     try:
-        from shardpoint.plan import plan_save
+        from shardpoint.plan import choose_writers
     except Exception as e:  # noqa: BLE001
         res["sp_plan_save"] = {"error": f"not available: {type(e).__name__}: {e}"}
     else:
         table, shapes = sp_table(lay, world)
-        s, runs, plan = median_time(lambda: plan_save(table, shapes, world), args.repeat)
+        s, runs, plan = median_time(lambda: choose_writers(table, shapes, world), args.repeat)
         assert int(plan.bytes_per_rank.sum()) == res["total_bytes"], "writers do not cover every byte once"
         res["sp_plan_save"] = {"s": s, "runs_s": runs, "max_over_mean_bytes": float(plan.bytes_per_rank.max() / plan.bytes_per_rank.mean())}
-        print(f"   shardpoint plan_save: {s:.3f}s {[round(x, 3) for x in runs]}", file=sys.stderr)
+        print(f"   shardpoint choose_writers: {s:.3f}s {[round(x, 3) for x in runs]}", file=sys.stderr)
         del table, plan
     try:
         from shardpoint.saving.coordinator import make_plan
@@ -290,7 +290,7 @@ def main() -> int:
         d = res["dcp"]
         lines.append(f"| DCP: dedup {d['dedup_s']:.1f} s + global plan {d['global_plan_s']:.1f} s + validate "
                      f"{d['validate_s']:.1f} s | {d['total_s']:.2f} | 1.0x | |")
-    for k, label in (("sp_plan_save", "shardpoint `plan.plan_save` (chunk table)"),
+    for k, label in (("sp_plan_save", "shardpoint `plan.choose_writers` (chunk table)"),
                      ("sp_make_plan", "shardpoint `make_plan` (from per-rank metadata, what save runs)")):
         row = res.get(k, {})
         if "error" in row:

@@ -638,3 +638,14 @@ def test_a_load_reads_only_the_indexes_of_the_files_it_needs(tmp_path: Path) -> 
     assert torch.equal(target["split"].local, full[:4])
     with pytest.raises(CorruptCheckpointError, match=rf"index .*{rank1}"):
         shardpoint.load_full(p, keys=["split"])
+
+
+def test_a_sparse_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
+    """A sparse tensor cannot be streamed as bytes: the save says which key and what
+    to do, on every rank, before anything is written."""
+    from shardpoint.errors import UnsupportedTypeError
+
+    with pytest.raises(UnsupportedTypeError, match=r"key 'emb' is a torch.sparse_coo tensor.*to_dense\(\)") as e:
+        shardpoint.save({"emb": torch.eye(3).to_sparse(), "w": torch.ones(2)}, tmp_path / "c")
+    assert isinstance(e.value, TypeError) and isinstance(e.value, shardpoint.ShardpointError)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())

@@ -21,6 +21,7 @@ import torch
 
 import shardpoint
 from shardpoint import CorruptCheckpointError
+from shardpoint.format import manifest as mf
 from shardpoint.layout import FlatShard
 from tests.failure._util import sealed
 
@@ -590,3 +591,60 @@ def test_uneven_2d_grid_and_irregular_chunks() -> None:
     odd = [((0, 0), (2, 3)), ((2, 0), (2, 1)), ((2, 1), (2, 2))]
     enc, back = _encode_expand((4, 3), odd, [0, 1, 2])
     assert "chunks" in enc and back == sorted((o, s, r) for (o, s), r in zip(odd, [0, 1, 2]))
+
+
+# --- the checked-in version-2 checkpoint (tests/data/v2, made by tests/data/make_v2.py with the
+# code as it stood before the save and load pipelines were rebuilt) -------------------------------
+
+V2 = Path(__file__).resolve().parent / "data" / "v2"
+
+
+def test_v2_fixture_loads_with_exact_values() -> None:
+    full = shardpoint.load_full(V2)
+    want = v1_expected()  # make_v2.py saves make_v1.py's state
+    rng = full.pop("rng")
+    assert full.pop("empty") == {"d": {}, "l": []}
+    assert same(as_raw(full), as_raw(want))
+    assert isinstance(full["np"], np.ndarray)
+    for r in range(4):
+        assert rng[r]["seed"] == 100 + r and torch.equal(rng[r]["state"], torch.arange(4, dtype=torch.uint8) + r)
+    mine = doc_read(V2)  # and the reader written from docs/format.md reads it the same
+    mine.pop("empty")
+    mine.pop("rng")
+    assert same(mine, as_raw(want))
+    meta = shardpoint.metadata(V2)
+    assert meta.version == 2 and meta.world_size == 4 and len(meta.tensors["model/grid.weight"].chunks) == 4
+
+
+def _save_v1_state(rank: int, world: int, path: str) -> None:
+    from tests.data.make_v1 import rank_state
+
+    shardpoint.save(rank_state(rank), path)
+
+
+@pytest.mark.distributed
+def test_the_same_state_is_written_byte_for_byte_as_before(tmp_path: Path) -> None:
+    """4 real ranks save make_v2.py's state with today's code: every data file holds
+    exactly the bytes the fixture's file of the same rank holds, every index lists the
+    same chunks at the same offsets with the same checksums, and the manifest says the
+    same thing but for the save's id and time. The on-disk format did not move."""
+    from tests._dist import run_ranks
+
+    out = tmp_path / "now"
+    run_ranks(_save_v1_state, 4, str(out), timeout=300)
+
+    def by_rank(folder: Path, suffix: str) -> dict[str, bytes]:
+        return {p.name[:6]: p.read_bytes() for p in folder.iterdir() if p.name.endswith(suffix)}
+
+    old, new = by_rank(V2, ".safetensors"), by_rank(out, ".safetensors")
+    assert sorted(old) == sorted(new) == ["r00000", "r00001", "r00002", "r00003"]
+    for r in old:
+        assert new[r] == old[r], f"data file of {r} differs"
+    old_idx, new_idx = by_rank(V2, ".index.json"), by_rank(out, ".index.json")
+    for r in old_idx:
+        a, b = json.loads(old_idx[r]), json.loads(new_idx[r])
+        assert a["chunks"] == b["chunks"], r
+    a, b = (mf.Manifest.parse((d / "manifest.json").read_bytes()) for d in (V2, out))
+    assert a.version == b.version == 2 and a.world_size == b.world_size
+    assert a.tree.containers == b.tree.containers and a.tree.entries == b.tree.entries
+    assert sorted(f["size"] for f in a.files.values()) == sorted(f["size"] for f in b.files.values())

@@ -17,9 +17,9 @@ from shardpoint.plan import (
     ChunkTable,
     PlanError,
     box_runs,
+    choose_writers,
     intersect,
     plan_reads,
-    plan_save,
     validate_partition,
 )
 from shardpoint.plan.boxes import flat_range_boxes
@@ -227,7 +227,7 @@ def test_validate_partition_pairwise_fallback(monkeypatch: pytest.MonkeyPatch) -
         validate_partition(*pad_arrays([0] * 2, gap, [shape]))
 
 
-# --- plan_save ----------------------------------------------------------------------
+# --- choose_writers ----------------------------------------------------------------------
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
     """torch.chunk-style split of n into `parts` (offset, size) pieces; trailing
@@ -295,7 +295,7 @@ def table_of(rows, key_shapes, itemsizes):  # type: ignore[no-untyped-def]
 def test_plan_save_one_writer_per_distinct_box(case) -> None:  # type: ignore[no-untyped-def]
     world, rows, key_shapes, itemsizes, _kinds = case
     t, shp = table_of(rows, key_shapes, itemsizes)
-    plan = plan_save(t, shp, world)
+    plan = choose_writers(t, shp, world)
     by_box: dict[tuple, list[int]] = {}
     for i, (k, _r, b) in enumerate(rows):
         by_box.setdefault((k, b.offsets, b.sizes), []).append(i)
@@ -320,7 +320,7 @@ def test_plan_save_balances_replicated_bytes(case) -> None:  # type: ignore[no-u
     unreplicated chunks already force)."""
     world, rows, key_shapes, itemsizes, _kinds = case
     t, shp = table_of(rows, key_shapes, itemsizes)
-    plan = plan_save(t, shp, world)
+    plan = choose_writers(t, shp, world)
     holders: dict[int, set[int]] = {}
     for i, (_k, r, b) in enumerate(rows):
         if b.numel:  # empty shards of uneven layouts carry no bytes
@@ -344,7 +344,7 @@ def test_plan_save_ddp_balance_is_tight() -> None:
     """Eight equal replicated tensors on four ranks: two each, not all on rank 0."""
     rows = [(k, r, Box((0,), (10,))) for r in range(4) for k in range(8)]
     t, shp = table_of(rows, [(10,)] * 8, [4] * 8)
-    plan = plan_save(t, shp, 4)
+    plan = choose_writers(t, shp, 4)
     assert plan.bytes_per_rank.tolist() == [80, 80, 80, 80]
 
 
@@ -356,7 +356,7 @@ def test_plan_save_groups_replicas_of_huge_tensors_too() -> None:
         half = n // 2
         rows = [(0, r, Box((0, 0, 0), (half, n, n))) for r in (0, 2)] + [(0, r, Box((half, 0, 0), (n - half, n, n))) for r in (1, 3)]
         t, shp = table_of(rows, [(n, n, n)], [1])
-        plan = plan_save(t, shp, 4)
+        plan = choose_writers(t, shp, 4)
         assert plan.replicated.all() and plan.writer.sum() == 2
         assert plan.group[0] == plan.group[1] != plan.group[2] == plan.group[3]
         assert plan.bytes_per_rank.sum() == n ** 3 and (plan.bytes_per_rank > 0).sum() == 2
@@ -387,7 +387,7 @@ def test_plan_save_names_the_broken_key(case, data) -> None:  # type: ignore[no-
         rows[i] = (kk, r, Box((shape[0] - b.sizes[0] + 1, b.offsets[1]), b.sizes))
     t, shp = table_of(rows, key_shapes, itemsizes)
     with pytest.raises(PlanError) as ei:
-        plan_save(t, shp, world)
+        choose_writers(t, shp, world)
     assert k in ei.value.problems, (how, ei.value.problems)
     assert f"key {k}:" in str(ei.value)
     assert how in ei.value.problems[k]
@@ -397,7 +397,7 @@ def test_plan_save_outside_the_shape() -> None:
     rows = [(0, 0, Box((0,), (4,))), (0, 1, Box((4,), (3,)))]
     t, shp = table_of(rows, [(6,)], [4])
     with pytest.raises(PlanError, match="key 0: a chunk lies outside"):
-        plan_save(t, shp, 2)
+        choose_writers(t, shp, 2)
 
 
 # --- plan_reads ----------------------------------------------------------------------

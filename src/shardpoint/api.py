@@ -168,9 +168,9 @@ def save_offline(rank_states: Iterable[tuple[int, Any]], path: PathLike, *, worl
     """Write a checkpoint as if ``world_size`` ranks had saved it, from one process,
     holding one rank's state at a time (converters). Replicated chunks are written
     by the first rank that has them and checked against the others."""
-    from .saving.offline import save_offline as _impl
+    from .saving.offline import save_ranks
 
-    _impl(rank_states, storage_for(path, storage_options), world_size=world_size, overwrite=overwrite)
+    save_ranks(rank_states, storage_for(path, storage_options), world_size=world_size, overwrite=overwrite)
 
 
 __all__ = ["save", "load", "load_full", "metadata", "save_offline", "Metadata", "TensorInfo", "matches_prefix"]

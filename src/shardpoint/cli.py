@@ -470,7 +470,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _pair(s: str) -> tuple[str, str]:
     if "=" not in s:
-        raise ValueError(f"--rename {s!r}: write OLD=NEW (NEW may be empty)")
+        from .errors import UsageError
+
+        raise UsageError(f"--rename {s!r}: write OLD=NEW (NEW may be empty)")
     old, new = s.split("=", 1)
     return old, new
 

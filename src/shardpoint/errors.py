@@ -1,8 +1,10 @@
 """The exceptions shardpoint raises.
 
-Every error is a :class:`ShardpointError`; catch one of the four subclasses to
-handle a specific failure. Messages name the key, file or rank involved and say
-what to do about it.
+Every error is a :class:`ShardpointError`; catch one of its subclasses to handle
+a specific failure. A usage error is also a ``ValueError`` (:class:`UsageError`) or
+a ``TypeError`` (:class:`UnsupportedTypeError`), so ``except ValueError`` keeps
+working. Messages name the key, file or rank involved and say what to do about it.
+The classes are listed in docs/errors.md.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ __all__ = [
     "KeyMismatchError",
     "CollectiveMismatchError",
     "UsageError",
+    "UnsupportedTypeError",
     "SaveTimeoutError",
 ]
 
@@ -52,6 +55,11 @@ class CollectiveMismatchError(ShardpointError):
 class UsageError(ShardpointError, ValueError):
     """An argument or a state that shardpoint cannot take (a bad option, a value it
     cannot save); also a ``ValueError``, so ``except ValueError`` keeps working."""
+
+
+class UnsupportedTypeError(ShardpointError, TypeError):
+    """The state holds an object shardpoint cannot save (the message names its key
+    and what to use instead); also a ``TypeError``."""
 
 
 class SaveTimeoutError(ShardpointError, TimeoutError):

@@ -120,9 +120,9 @@ class CheckpointManager:
         incremental: bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
+            raise UsageError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
         if keep_every is not None and keep_every < 1:
-            raise ValueError(f"keep_every must be a positive step interval (got {keep_every})")
+            raise UsageError(f"keep_every must be a positive step interval (got {keep_every})")
         self.storage: Storage = storage_for(root, storage_options)
         self.root = self.storage.url
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -141,7 +141,7 @@ class CheckpointManager:
     def step_dir(step: int) -> str:
         """Folder name of a step: ``step-00000100``."""
         if step < 0:
-            raise ValueError(f"step must be non-negative, got {step}")
+            raise UsageError(f"step must be non-negative, got {step}")
         return f"step-{step:08d}"
 
     def _info(self, name: str) -> CheckpointInfo | None:

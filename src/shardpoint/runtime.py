@@ -84,7 +84,7 @@ class Process:
     plans: dict[str, object] = field(default_factory=dict)  # process group tag -> saving.coordinator.CachedPlan
     assignments: dict[str, object] = field(default_factory=dict)  # tag -> saving.records.HeldAssignment
     in_flight: object | None = None  # saving.handle.SaveHandle
-    staging: object | None = None  # saving.buffers.Staging
+    staging: object | None = None  # saving.buffers.StagingBuffer
     pool: object | None = None  # saving.buffers.Pool
     seams: Seams = field(default_factory=Seams)
     #: Per thread: the CUDA copy stream of each device (made on first use).

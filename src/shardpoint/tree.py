@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import UnsupportedTypeError
 from .layout import FlatShard
 
 __all__ = ["PerRank", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
@@ -43,7 +44,7 @@ class PerRank:
 
 def _enc(seg: str | int) -> str:
     if isinstance(seg, bool) or not isinstance(seg, (str, int)):
-        raise TypeError(seg)
+        raise UnsupportedTypeError(f"a key segment must be a str or an int, not {type(seg).__name__} ({seg!r})")
     if isinstance(seg, int):
         return str(seg)
     if seg == "":
@@ -160,7 +161,7 @@ def _walk(obj: Any, key: str, w: Walk, in_per_rank: bool) -> Node:
         w.containers[key] = "dict"
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise TypeError(
+                raise UnsupportedTypeError(
                     f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
                     "only str and int keys can be saved: convert the key to str"
                 )
@@ -177,9 +178,9 @@ def _walk(obj: Any, key: str, w: Walk, in_per_rank: bool) -> Node:
         w.stateful.append((key, obj))
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
-            raise TypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
+            raise UnsupportedTypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
         return Node("stateful", obj=obj, inner=_walk(sd, key, w, in_per_rank))
-    raise TypeError(
+    raise UnsupportedTypeError(
         f"key {key or '<root>'!r} holds a {type(obj).__module__}.{type(obj).__name__}, which shardpoint cannot save: "
         "use tensors, numpy arrays, None/bool/int/float/str/bytes, dicts, lists, tuples, or an object "
         "with state_dict()/load_state_dict()"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
+
 
 class FlatShard:
     """A contiguous range of the row-major flattening of a global tensor.
@@ -20,12 +22,12 @@ class FlatShard:
 
     def __init__(self, local: torch.Tensor, shape: tuple[int, ...] | torch.Size, start: int) -> None:
         if local.dim() != 1:
-            raise ValueError(f"FlatShard needs a 1-D local tensor, got shape {tuple(local.shape)}")
+            raise UsageError(f"FlatShard needs a 1-D local tensor, got shape {tuple(local.shape)}")
         numel = 1
         for s in shape:
             numel *= int(s)
         if start < 0 or start + local.numel() > numel:
-            raise ValueError(f"FlatShard range [{start}, {start + local.numel()}) lies outside a tensor of {numel} elements")
+            raise UsageError(f"FlatShard range [{start}, {start + local.numel()}) lies outside a tensor of {numel} elements")
         self.local = local
         self.shape = tuple(int(s) for s in shape)
         self.start = int(start)

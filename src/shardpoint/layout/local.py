@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from ..plan.boxes import Box, flat_range_boxes
 from .flat import FlatShard
 
@@ -40,7 +41,7 @@ def chunks_of(key: str, leaf: object) -> LocalChunks:
         return LocalChunks(leaf.shape, leaf.local.dtype, boxes, views)
     if isinstance(leaf, np.ndarray):
         if leaf.dtype.hasobject or leaf.dtype.kind in "USVMm":
-            raise ValueError(f"key {key!r}: numpy arrays of dtype {leaf.dtype} cannot be saved; use a numeric dtype")
+            raise UsageError(f"key {key!r}: numpy arrays of dtype {leaf.dtype} cannot be saved; use a numeric dtype")
         t = torch.from_numpy(leaf) if all(s >= 0 for s in leaf.strides) else torch.from_numpy(leaf.copy())
         shape = tuple(t.shape)
         return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], numpy=True)
@@ -81,7 +82,7 @@ def _dtensor_chunks(key: str, dt) -> LocalChunks:  # type: ignore[no-untyped-def
     placements = tuple(dt.placements)
     for p in placements:
         if type(p) not in (Shard, Replicate):
-            raise ValueError(
+            raise UsageError(
                 f"key {key!r}: DTensor placement {p} is not supported; only Shard(d) and Replicate keep each "
                 "rank's piece one box. Call .redistribute() to Shard/Replicate (or .full_tensor()) before saving"
             )
@@ -89,7 +90,7 @@ def _dtensor_chunks(key: str, dt) -> LocalChunks:  # type: ignore[no-untyped-def
     local_shape, offset = _local_box(shape, dt.device_mesh, placements)
     local = dt.to_local().detach()
     if tuple(local.shape) != tuple(local_shape):
-        raise ValueError(
+        raise UsageError(
             f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
             f"{placements} give {tuple(local_shape)}; the layout is not one box and cannot be saved"
         )

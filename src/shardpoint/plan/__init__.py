@@ -7,7 +7,7 @@ so that planning for thousands of ranks stays fast.
 
 from .boxes import Box, box_runs, intersect
 from .read import ReadOp, plan_reads
-from .save import ChunkTable, PlanError, SavePlan, plan_save, validate_partition
+from .save import ChunkTable, PlanError, Writers, choose_writers, validate_partition
 
 __all__ = [
     "Box",
@@ -15,8 +15,8 @@ __all__ = [
     "intersect",
     "ChunkTable",
     "PlanError",
-    "SavePlan",
-    "plan_save",
+    "Writers",
+    "choose_writers",
     "validate_partition",
     "ReadOp",
     "plan_reads",

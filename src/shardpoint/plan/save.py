@@ -57,8 +57,8 @@ def _row_prod(a: np.ndarray) -> np.ndarray:
 
 
 @dataclass(slots=True)
-class SavePlan:
-    """The result of :func:`plan_save`."""
+class Writers:
+    """The result of :func:`choose_writers`."""
 
     group: np.ndarray  # int64 (n,) distinct-chunk id of each row; rows with one id are replicas
     writer: np.ndarray  # bool (n,) True for the one row of each group that writes its bytes
@@ -111,7 +111,7 @@ def _group_rows(t: ChunkTable, shapes: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return order, group, order[new]
 
 
-def plan_save(t: ChunkTable, shapes: np.ndarray, world_size: int) -> SavePlan:
+def choose_writers(t: ChunkTable, shapes: np.ndarray, world_size: int) -> Writers:
     """Validate the layout and choose writers.
 
     Args:
@@ -162,7 +162,7 @@ def plan_save(t: ChunkTable, shapes: np.ndarray, world_size: int) -> SavePlan:
             load_l[r] += bytes_l[i]
         writer[np.asarray(chosen, dtype=np.int64)] = True
         load = np.asarray(load_l, dtype=np.int64)
-    return SavePlan(group=group, writer=writer, replicated=replicated, bytes_per_rank=load)
+    return Writers(group=group, writer=writer, replicated=replicated, bytes_per_rank=load)
 
 
 def validate_partition(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
@@ -186,7 +186,7 @@ def validate_partition(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
     rows = row_keys_all[keys]
     if rows.any():
         k, o, s = keys[rows], offsets[rows, 0], sizes[rows, 0]
-        # plan_save passes rows in (key, dim-0 offset) order already: sort only when not
+        # choose_writers passes rows in (key, dim-0 offset) order already: sort only when not
         if not (k.size < 2 or np.all((k[1:] > k[:-1]) | ((k[1:] == k[:-1]) & (o[1:] >= o[:-1])))):
             idx = np.lexsort((o, k))
             k, o, s = k[idx], o[idx], s[idx]

@@ -9,7 +9,7 @@ a replica another rank writes is never copied whole to the host. Three ways:
   (pinned with CUDA), reused for every piece: piece k+1 is copied (``non_blocking``,
   on a copy stream of its own) while the writer writes piece k. Host memory is the
   pool, whatever the size of the local state.
-- **Asynchronous**: :class:`Staging` copies the rows this rank writes into one host
+- **Asynchronous**: :class:`StagingBuffer` copies the rows this rank writes into one host
   buffer reused across saves (pinned with CUDA): before ``save`` returns
   (``blocking=False``), or in a background thread while the caller's next forward
   and backward run (``overlap=True``; see docs/async.md). The version guard
@@ -236,18 +236,18 @@ def pool() -> Pool:
     return p
 
 
-def staging() -> Staging:
+def staging() -> StagingBuffer:
     """The process's asynchronous staging buffer (made on first use, then reused)."""
     s = PROCESS.staging
-    if not isinstance(s, Staging):
-        s = PROCESS.staging = Staging()
+    if not isinstance(s, StagingBuffer):
+        s = PROCESS.staging = StagingBuffer()
     return s
 
 
 # -- asynchronous staging ------------------------------------------------------------------
 
 
-class Staging:
+class StagingBuffer:
     """One host buffer reused across saves that holds a copy of the rows this rank
     writes (pinned when any of them is on a GPU; a pageable buffer is replaced by a
     pinned one the first time GPU tensors come)."""

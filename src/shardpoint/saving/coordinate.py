@@ -21,7 +21,7 @@ from .coordinator import Coordinator, layout_message
 from .records import Assignment, Described, HeldAssignment, Planned
 
 
-def plan(comm: Comm, storage: Storage, described: Described | None, error: BaseException | None,
+def request_assignment(comm: Comm, storage: Storage, described: Described | None, error: BaseException | None,
          overwrite: bool) -> tuple[Planned, Coordinator | None]:
     """This rank's assignment and the save id (collective), and on rank 0 the
     coordinator that will build the manifest. Raises on every rank when any rank

@@ -28,7 +28,7 @@ from ..errors import ShardpointError
 from ..format import layouts
 from ..format.datafile import CRC_BLOCK, itemsize_of
 from ..format.manifest import Manifest, Tree
-from ..plan import ChunkTable, PlanError, plan_save
+from ..plan import ChunkTable, PlanError, choose_writers
 from ..runtime import PROCESS
 from .records import WriteStatus
 
@@ -184,7 +184,7 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
 
 def make_plan(layouts_: list[dict[str, Any]]) -> Plan:
     """Plan a save from every rank's layout (or full description): structure
-    agreement, then the chunk table, then writers (:func:`plan_save`)."""
+    agreement, then the chunk table, then writers (:func:`choose_writers`)."""
     info, containers = merge_structure(layouts_)
     keys = sorted(info)
     table, row_start = chunk_table(layouts_, keys, info)
@@ -193,7 +193,7 @@ def make_plan(layouts_: list[dict[str, Any]]) -> Plan:
         shp = info[k]["shape"]
         shapes[i, : len(shp)] = shp
     try:
-        sp = plan_save(table, shapes, len(layouts_))
+        sp = choose_writers(table, shapes, len(layouts_))
     except PlanError as e:
         detail = "; ".join(f"key {keys[k]!r}: {why}" for k, why in sorted(e.problems.items()))
         raise ShardpointError(f"the ranks' pieces do not form valid tensors: {detail}") from None

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardpointError
+from ..errors import UnsupportedTypeError, UsageError
 from ..format.datafile import dtype_name
 from ..format.manifest import encode_value
 from ..layout import chunks_of
@@ -22,10 +22,7 @@ from .records import ChunkRows, Described
 def describe(state: Any) -> Described:
     """This rank's description of ``state`` (and of each of its per-rank values);
     raises naming the key that cannot be saved."""
-    try:
-        w = walk(state)
-    except TypeError as e:
-        raise ShardpointError(str(e)) from None
+    w = walk(state)
     described: dict[str, Described] = {}
     # per-rank values first: the top level's description holds theirs
     for pkey, sub in [*w.per_rank.items(), ("", w)]:
@@ -38,20 +35,15 @@ def describe(state: Any) -> Described:
                 try:
                     values[key] = encode_value(node.obj)
                 except TypeError:  # pragma: no cover - walk only lets plain values through
-                    raise ShardpointError(f"key {key!r}: cannot encode {type(node.obj).__name__}") from None
-                except ValueError as e:
-                    raise ShardpointError(str(e)) from None
+                    raise UnsupportedTypeError(f"key {key!r}: cannot encode {type(node.obj).__name__}") from None
                 continue
             if isinstance(node.obj, torch.Tensor) and node.obj.layout != torch.strided:
-                raise ShardpointError(
+                raise UnsupportedTypeError(
                     f"key {key!r} is a {node.obj.layout} tensor; shardpoint saves dense (strided) tensors only. "
                     "Save `t.to_dense()` instead, and make it sparse again after loading")
-            try:
-                lc = chunks_of(key, node.obj)
-            except ValueError as e:
-                raise ShardpointError(str(e)) from None
+            lc = chunks_of(key, node.obj)
             if any(v.device.type == "meta" for v in lc.views):
-                raise ShardpointError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")
+                raise UsageError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")
             tensors[key] = {"dtype": dtype_name(lc.dtype), "shape": list(lc.shape), "numpy": lc.numpy}
             for b, v in zip(lc.boxes, lc.views):
                 rows.keys.append(key)

@@ -25,7 +25,7 @@ import torch
 from ..collective import close_channels
 from ..errors import SaveTimeoutError
 from ..runtime import PROCESS
-from .buffers import Staging
+from .buffers import StagingBuffer
 
 #: Seconds a save still in flight at interpreter exit gets to commit before it is
 #: abandoned (``SHARDPOINT_EXIT_GRACE``).
@@ -128,7 +128,7 @@ def settle_in_flight() -> None:
 def staging_nbytes() -> int:
     """Bytes held by the asynchronous staging buffer (tests and benchmarks)."""
     s = PROCESS.staging
-    return s.nbytes if isinstance(s, Staging) else 0
+    return s.nbytes if isinstance(s, StagingBuffer) else 0
 
 
 def _at_exit() -> None:

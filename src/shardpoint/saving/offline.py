@@ -27,7 +27,7 @@ from .stage import Stage
 from .write import write
 
 
-def save_offline(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, world_size: int, overwrite: bool = False) -> None:
+def save_ranks(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, world_size: int, overwrite: bool = False) -> None:
     """See :func:`shardpoint.api.save_offline`."""
     if storage.exists(MANIFEST_NAME) and not overwrite:
         raise UsageError(f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it")

@@ -35,7 +35,7 @@ from ..collective import Comm
 from ..runtime import PROCESS
 from ..storage import Storage
 from .commit import commit
-from .coordinate import plan
+from .coordinate import request_assignment
 from .coordinator import Coordinator
 from .describe import data_file, describe
 from .handle import SaveHandle, wait_in_flight
@@ -77,7 +77,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
         error = e
     handle = None if blocking else SaveHandle(storage.url)
     try:
-        planned, coord = plan(comm, storage, described, error, options.overwrite)
+        planned, coord = request_assignment(comm, storage, described, error, options.overwrite)
     except Exception as e:
         if handle is None:
             raise
