@@ -12,7 +12,7 @@ and from that form here (``wire`` / ``from_wire``), nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -21,6 +21,39 @@ from ..errors import ShardpointError
 
 #: A JSON object as the collectives carry it.
 Wire = dict[str, Any]
+#: A plain value as the manifest encodes it: ``[type, payload]``.
+Encoded = list[object]
+
+
+class TensorMeta(TypedDict):
+    """A tensor's dtype name, global shape, and whether it was a numpy array."""
+
+    dtype: str
+    shape: list[int]
+    numpy: bool
+
+
+class TreeLayout(TypedDict):
+    """One tree's layout as the coordinator plans from it: containers, tensors and
+    chunk rows (``{"key", "off", "size"}``, or, unpacked from a message, ``"off_flat"``
+    and ``"size_flat"`` arrays in place of the nested lists)."""
+
+    containers: dict[str, str]
+    tensors: dict[str, TensorMeta]
+    chunks: Wire
+
+
+class RankLayout(TreeLayout):
+    """A rank's layout: its top-level tree and each of its per-rank values' trees."""
+
+    per_rank: dict[str, TreeLayout]
+
+
+class RankValues(TypedDict):
+    """A rank's plain values, top level and per per-rank key."""
+
+    values: dict[str, Encoded]
+    per_rank: dict[str, dict[str, Encoded]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,24 +76,23 @@ class Described:
     its chunk rows and, row by row, the tensor views behind them."""
 
     containers: dict[str, str]
-    values: dict[str, Any]
-    tensors: dict[str, Wire]  # key -> {"dtype", "shape", "numpy"}
+    values: dict[str, Encoded]
+    tensors: dict[str, TensorMeta]
     rows: ChunkRows
     views: list[torch.Tensor]
     per_rank: dict[str, Described]
 
-    def layout(self) -> Wire:
+    def layout(self) -> RankLayout:
         """The layout part of the description (what the coordinator plans from):
         structure, tensor shapes and dtypes, chunk boxes, top level and per-rank.
         Values are left out: a step counter changes every save, the layout does not."""
-        out = self._layout()
-        out["per_rank"] = {p: d._layout() for p, d in self.per_rank.items()}
-        return out
+        return {"containers": self.containers, "tensors": self.tensors, "chunks": self.rows.wire(),
+                "per_rank": {p: d._tree_layout() for p, d in self.per_rank.items()}}
 
-    def _layout(self) -> Wire:
+    def _tree_layout(self) -> TreeLayout:
         return {"containers": self.containers, "tensors": self.tensors, "chunks": self.rows.wire()}
 
-    def value_message(self) -> Wire:
+    def value_message(self) -> RankValues:
         """The plain values, top level and per-rank."""
         return {"values": self.values, "per_rank": {p: d.values for p, d in self.per_rank.items()}}
 
