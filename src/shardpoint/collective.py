@@ -117,6 +117,9 @@ class _Channel:
         #: An arrival kept for the next call (``Comm.arrive(..., hold=True)``): its
         #: identity digest and call number. Any other arrival drops it.
         self.held: tuple[str, int] | None = None
+        #: Tagged slots of the current call number that this rank left abandoned, and
+        #: their verdicts: calling one again raises at once instead of counting in twice.
+        self.given_up: dict[str, bytes] = {}
 
     def open(self) -> None:
         """Make both lanes, on the caller's thread. Called where every rank of the
@@ -347,6 +350,8 @@ class Comm:
             seq += 1
         self._seq = seq
         k = f"{seq}/t/{digest}/"
+        if k in ch.given_up:  # this rank already left this very call abandoned
+            self._raise_aborted(op, path, ch.given_up[k])
         n = s.add(k + "n", 1)
         s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
         if n >= _ABORT:  # late: this very call was given up before this rank came
@@ -362,11 +367,13 @@ class Comm:
             verdict = s.get(k + "go")
         try:
             if verdict.startswith(b"aborted"):
+                ch.given_up[k] = verdict
                 self._raise_aborted(op, path, verdict)
         finally:
             self._leave(k, ("n", "who", "go", "out"))
         with _lock:
             ch.seq = seq
+            ch.given_up.clear()
 
     def _give_up(self, k: str) -> None:
         """The timeout passed: abandon the call unless the last rank just came. The
