@@ -306,6 +306,8 @@ class ElasticBatchSampler:
             self._epoch, self._offset = self._epoch + 1, 0  # a larger global batch no longer fits
 
     def __repr__(self) -> str:
+        rank: int | None
+        world: int | None
         try:
             rank, world = self._placement()
         except ValueError:  # not known yet: say so rather than fail in a repr

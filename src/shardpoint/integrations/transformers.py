@@ -166,6 +166,7 @@ class ShardpointTrainer(Trainer):
         # call ends here; api.save below takes this arrival instead of making its own
         tag = step_tag(step)
         Comm(None, self.checkpoint_timeout, arrival_tag=tag).arrive("save", storage_for(output_dir).url, hold=True)
+        state: TrainState | Unsaveable
         try:
             state = self._sp_prepare_save(trial, step, output_dir, run_dir)
         except Exception as e:  # noqa: BLE001 - fanned out by the save: the other ranks are waiting in it
