@@ -37,6 +37,7 @@ def save(
     blocking: bool = True,
     overlap: bool = False,
     storage_options: dict[str, Any] | None = None,
+    tag: str | None = None,
 ) -> SaveHandle | None:
     """Save ``state`` to ``path``. Collective: every rank of ``process_group`` (default:
     the whole job; no group at all without torch.distributed) calls it with its own
@@ -65,10 +66,13 @@ def save(
             else that changes a saved tensor in place must wait for
             ``handle.wait_staged()`` first, or the save fails naming the key and
             commits nothing (docs/async.md).
+        tag: the same string on every rank (a trainer's global step): the ranks then
+            meet by path and tag rather than by call order, so a save that some
+            ranks skip never meets another save; it is abandoned naming them.
     """
     if overlap and blocking:
         raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
-    return save_state(Comm(process_group, timeout), storage_for(path, storage_options), state,
+    return save_state(Comm(process_group, timeout, arrival_tag=tag), storage_for(path, storage_options), state,
                       SaveOptions(overwrite=overwrite), blocking=blocking, overlap=overlap)
 
 

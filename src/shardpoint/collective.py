@@ -87,6 +87,15 @@ def _dist():  # type: ignore[no-untyped-def]
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def default_rank_and_world() -> tuple[int, int] | None:
+    """This process's rank and the world size of the default process group, or None
+    while torch.distributed is not initialised (for callers that must not guess)."""
+    dist = _dist()
+    if dist is None:
+        return None
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
 class _Channel:
     """The one owner of a process group's checkpoint coordination.
 
@@ -105,6 +114,12 @@ class _Channel:
         self.ctl: Any = None
         self.background: threading.Thread | None = None
         self.closing = False
+        #: An arrival kept for the next call (``Comm.arrive(..., hold=True)``): its
+        #: identity digest and call number. Any other arrival drops it.
+        self.held: tuple[str, int] | None = None
+        #: Tagged slots of the current call number that this rank left abandoned, and
+        #: their verdicts: calling one again raises at once instead of counting in twice.
+        self.given_up: dict[str, bytes] = {}
 
     def open(self) -> None:
         """Make both lanes, on the caller's thread. Called where every rank of the
@@ -189,8 +204,12 @@ def close_channels(release: bool = False) -> None:
 class Comm:
     """Rank, world size and JSON collectives of one process group."""
 
-    def __init__(self, process_group: Any = None, timeout: timedelta | float = timedelta(minutes=10)) -> None:
+    def __init__(self, process_group: Any = None, timeout: timedelta | float = timedelta(minutes=10),
+                 arrival_tag: str | None = None) -> None:
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        #: With a tag, ranks meet by (operation, path, tag) instead of by call order
+        #: (see :meth:`arrive`).
+        self.arrival_tag = arrival_tag
         dist = _dist()
         self.dist = dist
         self._seq = 0  # the arrival sequence number of this call (0: no arrival yet)
@@ -212,12 +231,23 @@ class Comm:
         self.channel = _channel(dist, self.tag, self.ranks)
 
     # -- arrival ---------------------------------------------------------------------
-    def arrive(self, op: str, path: str) -> None:
+    def arrive(self, op: str, path: str, *, hold: bool = False) -> None:
         """Block until every rank of the group called ``op`` on ``path``, or raise
         :class:`CollectiveMismatchError` naming the ranks that did not come within
         the timeout (and raise the same on ranks that come later). First waits for
         the asynchronous save in flight on this group, whose collectives hold the
         data lane until it ends.
+
+        With an ``arrival_tag`` (a trainer's global step, say) the ranks meet in a slot of
+        their own for (operation, path, tag) instead of at the next call number, so a
+        call that some ranks never make (a save behind ``if rank == 0:``) is abandoned
+        naming them while the others' next call meets apart from it; see
+        :meth:`_arrive_tagged`.
+
+        ``hold``: keep this arrival for the next call on this group if that call has
+        the same operation, path and tag (a trainer that runs a collective of its own
+        between its arrival and the core's save arrives once, before it); any other
+        call drops it.
 
         Store operations per rank: a compare-and-set of the reference digest, an
         add to the counter, an append of this rank's record, a wait for and a read
@@ -231,8 +261,25 @@ class Comm:
         ch = self.channel
         assert ch is not None
         ch.settle()
+        identity = f"{op}\0{path}" if self.arrival_tag is None else f"{op}\0{path}\0{self.arrival_tag}"
+        digest = hashlib.sha1(identity.encode()).hexdigest()[:16]
+        held, ch.held = ch.held, None
+        if held is not None and held[0] == digest:  # the same call, arrived for ahead of it
+            self._seq = held[1]
+            return
+        if self.arrival_tag is not None:
+            self._arrive_tagged(op, path, digest)
+        else:
+            self._arrive_in_order(op, path, digest)
+        if hold:
+            ch.held = (digest, self._seq)
+        ch.open()
+
+    def _arrive_in_order(self, op: str, path: str, digest: str) -> None:
+        """The ranks meet at the next call number (see :meth:`arrive`)."""
+        ch = self.channel
         s, world = self.store, self.world
-        digest = hashlib.sha1(f"{op}\0{path}".encode()).hexdigest()[:16]
+        assert ch is not None and s is not None
         while True:
             with _lock:
                 ch.seq += 1
@@ -279,7 +326,54 @@ class Comm:
                 )
         finally:
             self._leave(k)
-        ch.open()
+
+    def _arrive_tagged(self, op: str, path: str, digest: str) -> None:
+        """The ranks meet in the slot ``<next call number>/t/<digest of op, path,
+        tag>``. The call number moves on only when everyone came, so the ranks of a
+        call given up (some ranks never made it) stay at the number the others are
+        at, and everyone's next call meets in a fresh slot; a rank that makes the
+        abandoned call late reads its verdict. A call number that an untagged call
+        was given up at before this rank came is skipped, as in :meth:`_arrive_in_order`.
+
+        Store operations per rank: a check of the untagged slot, an add to the
+        counter, an append of this rank's record, a wait for and a read of the
+        release key, an add to the exit counter; the last to arrive writes the
+        release key and the last to leave deletes the slot's keys."""
+        ch = self.channel
+        s, world = self.store, self.world
+        assert ch is not None and s is not None
+        seq = ch.seq + 1
+        while s.check([f"{seq}/n"]) and s.add(f"{seq}/n", 0) >= _ABORT:
+            self._leave(f"{seq}/")  # an untagged call this rank never made, given up before it came
+            with _lock:
+                ch.seq = seq
+            seq += 1
+        self._seq = seq
+        k = f"{seq}/t/{digest}/"
+        if k in ch.given_up:  # this rank already left this very call abandoned
+            self._raise_aborted(op, path, ch.given_up[k])
+        n = s.add(k + "n", 1)
+        s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
+        if n >= _ABORT:  # late: this very call was given up before this rank came
+            verdict = s.get(k + "go")
+        elif n == world:  # last: release everyone
+            verdict = b"ok"
+            s.set(k + "go", verdict)
+        else:
+            try:
+                s.wait([k + "go"], timedelta(seconds=self.timeout))
+            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError and kin)
+                self._give_up(k)
+            verdict = s.get(k + "go")
+        try:
+            if verdict.startswith(b"aborted"):
+                ch.given_up[k] = verdict
+                self._raise_aborted(op, path, verdict)
+        finally:
+            self._leave(k, ("n", "who", "go", "out"))
+        with _lock:
+            ch.seq = seq
+            ch.given_up.clear()
 
     def _give_up(self, k: str) -> None:
         """The timeout passed: abandon the call unless the last rank just came. The
@@ -308,22 +402,25 @@ class Comm:
                 return recs
             time.sleep(0.01)
 
-    def _leave(self, k: str) -> None:
+    def _leave(self, k: str, names: tuple[str, ...] = ("ref", "bad", "n", "who", "go", "out")) -> None:
         """Count this rank out; the last rank out deletes the call's keys. A call
         that was given up keeps them until the absent ranks come, so that they
-        still read the verdict (ranks that never come leave its six keys behind)."""
+        still read the verdict (ranks that never come leave its keys behind)."""
         s = self.store
         assert s is not None
         if s.add(k + "out", 1) == self.world:
-            for name in ("ref", "bad", "n", "who", "go", "out"):
+            for name in names:
                 s.delete_key(k + name)
 
     def _raise_aborted(self, op: str, path: str, verdict: bytes) -> None:
         absent = json.loads(verdict.decode().split(":", 1)[1])
+        at = f" [{self.arrival_tag}]" if self.arrival_tag else ""
         raise CollectiveMismatchError(
-            f"shardpoint.{op}({path!r}) is collective, but ranks {absent} of the process group did not call it "
-            f"within the timeout of {self.timeout:g}s, so it was abandoned on every rank. Call it on all ranks "
-            "(not only on rank 0), at the same point of the program; raise `timeout=` if ranks arrive far apart",
+            f"shardpoint.{op}({path!r}){at} is collective, but ranks {absent} of the process group did not call it "
+            f"within the timeout of {self.timeout:g}s, so it was abandoned on every rank. Call it on all ranks, not "
+            "only on rank 0 (not inside `if rank == 0:`, `if trainer.is_global_zero:`, "
+            "`if accelerator.is_main_process:` or `if args.process_index == 0:`), at the same point of the "
+            "program; raise `timeout=` if ranks arrive far apart",
             ranks=absent,
         )
 

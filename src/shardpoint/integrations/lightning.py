@@ -57,7 +57,7 @@ from .. import api
 from ..elastic import ElasticBatchSampler
 from ..errors import ShardpointError
 from ..state import TrainState
-from ._trainer import apply_rng, arrive, capture_rng
+from ._trainer import apply_rng, capture_rng, step_tag
 
 __all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy"]
 
@@ -130,19 +130,19 @@ class ShardpointStrategyMixin:
         ``Trainer.save_checkpoint`` does; one that does not is named in a
         :class:`~shardpoint.CollectiveMismatchError` on the others."""
         path = os.fspath(filepath)
-        arrive("save", path, checkpoint.get("global_step", ""), self.checkpoint_timeout)
         rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_PARTS}
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if trainer is not None:  # Lightning's batch counters count micro-batches: record how many make a step
             rest["shardpoint"] = {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
         state = self._train_state("optimizer_states" in checkpoint, rest if self.is_global_zero else {})  # type: ignore[attr-defined]
-        api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options)
+        # the save's one arrival, keyed by the step: a save only rank 0 makes never meets the next one
+        api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options,
+                 tag=step_tag(checkpoint.get("global_step", "")))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load on every rank (collective), in place, from a checkpoint saved on any
         number of ranks; returns Lightning's full checkpoint dict."""
         path = os.fspath(checkpoint_path)
-        arrive("load", path, "", self.checkpoint_timeout)
         if os.path.isfile(path):
             raise ShardpointError(
                 f"{path} is a file, not a shardpoint checkpoint (a directory with a manifest.json): it was written by "
