@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import CollectiveMismatchError, ShardpointError
+from .runtime import PROCESS
 
 #: Timeout of the checkpoint lanes' collectives (a save's data phase can take long;
 #: arrival is bounded separately by the call's ``timeout``).
@@ -52,33 +53,6 @@ _ABORT = 1 << 40
 #: collective completes; the slices only bound how late a closed channel is seen).
 _POLL = timedelta(seconds=0.25)
 
-_channels: dict[str, _Channel] = {}
-# a forked child (a DataLoader worker) inherits the parent's channels but not their
-# gloo threads: it must never use, close or destroy them
-os.register_at_fork(after_in_child=_channels.clear)
-
-class Traffic:
-    """Bytes this process received through the checkpoint group's collectives, and
-    how many collectives it ran (the scale tests and benchmark read it)."""
-
-    __slots__ = ("received", "ops")
-
-    def __init__(self) -> None:
-        self.received = 0
-        self.ops = 0
-
-    def reset(self) -> None:
-        self.received = self.ops = 0
-
-    def add(self, nbytes: int) -> None:
-        self.received += int(nbytes)
-        self.ops += 1
-
-
-#: Counted at the Comm layer for every JSON collective and ``any_true``.
-traffic = Traffic()
-
-_lock = threading.Lock()
 
 
 def _dist():  # type: ignore[no-untyped-def]
@@ -96,7 +70,21 @@ def default_rank_and_world() -> tuple[int, int] | None:
     return int(dist.get_rank()), int(dist.get_world_size())
 
 
-class _Channel:
+class _Background:
+    """What a channel knows of the save running in the background, if any."""
+
+    background: threading.Thread | None = None
+
+    def settle(self) -> None:
+        """Wait for the background operation (the asynchronous save in flight) to
+        end, so the data lane is free. Its error stays with its handle."""
+        t = self.background
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self.background = None
+
+
+class _Channel(_Background):
     """The one owner of a process group's checkpoint coordination.
 
     Every checkpoint collective of the group runs through it: ``seq`` numbers the
@@ -127,21 +115,13 @@ class _Channel:
         check that every rank makes at the same step."""
         if self.data is not None:
             return
-        with _lock:
+        with PROCESS.channel_lock:
             if self.data is None:
                 make = self.dist.new_group
                 kw = dict(ranks=self.ranks, backend="gloo", timeout=GROUP_TIMEOUT, use_local_synchronization=True)
                 data = make(**kw)
                 self.ctl = make(**kw)
                 self.data = data
-
-    def settle(self) -> None:
-        """Wait for the background operation (the asynchronous save in flight) to
-        end, so the data lane is free. Its error stays with its handle."""
-        t = self.background
-        if t is not None and t is not threading.current_thread():
-            t.join()
-            self.background = None
 
     def close(self) -> None:
         """At interpreter exit: fail the lanes' pending and future collectives
@@ -170,31 +150,34 @@ def _takes_async_op(collective: Any) -> bool:
         return False
 
 
-class _Solo:
+class _Solo(_Background):
     """Without torch.distributed: only the background save to wait for."""
 
-    background: threading.Thread | None = None
-    settle = _Channel.settle
 
-
-_solo = _Solo()
+def _solo() -> _Solo:
+    """The no-group stand-in for a channel (one per process)."""
+    with PROCESS.channel_lock:
+        s = PROCESS.channels.get("")
+        if not isinstance(s, _Solo):
+            s = PROCESS.channels[""] = _Solo()
+        return s
 
 
 def _channel(dist: Any, tag: str, ranks: list[int]) -> _Channel:
-    with _lock:
-        ch = _channels.get(tag)
-        if ch is None or ch.world_pg is not dist.group.WORLD:
-            ch = _channels[tag] = _Channel(dist, tag, ranks)
+    with PROCESS.channel_lock:
+        ch = PROCESS.channels.get(tag)
+        if not isinstance(ch, _Channel) or ch.world_pg is not dist.group.WORLD:
+            ch = PROCESS.channels[tag] = _Channel(dist, tag, ranks)
         return ch
 
 
 def close_channels(release: bool = False) -> None:
     """Close every channel (see :meth:`_Channel.close`) and, with ``release``,
     destroy their lanes (:meth:`_Channel.release`); for the exit handler."""
-    with _lock:
-        chans = list(_channels.values())
+    with PROCESS.channel_lock:
+        chans = [c for c in PROCESS.channels.values() if isinstance(c, _Channel)]
         if release:
-            _channels.clear()
+            PROCESS.channels.clear()
     for ch in chans:
         ch.close()
         if release:
@@ -256,7 +239,7 @@ class Comm:
         that leaves last deletes the call's keys. Nothing else unless the call
         fails."""
         if self.store is None:
-            _solo.settle()
+            _solo().settle()
             return
         ch = self.channel
         assert ch is not None
@@ -281,7 +264,7 @@ class Comm:
         s, world = self.store, self.world
         assert ch is not None and s is not None
         while True:
-            with _lock:
+            with PROCESS.channel_lock:
                 ch.seq += 1
                 seq = ch.seq
             self._seq = seq
@@ -345,7 +328,7 @@ class Comm:
         seq = ch.seq + 1
         while s.check([f"{seq}/n"]) and s.add(f"{seq}/n", 0) >= _ABORT:
             self._leave(f"{seq}/")  # an untagged call this rank never made, given up before it came
-            with _lock:
+            with PROCESS.channel_lock:
                 ch.seq = seq
             seq += 1
         self._seq = seq
@@ -371,7 +354,7 @@ class Comm:
                 self._raise_aborted(op, path, verdict)
         finally:
             self._leave(k, ("n", "who", "go", "out"))
-        with _lock:
+        with PROCESS.channel_lock:
             ch.seq = seq
             ch.given_up.clear()
 
@@ -436,7 +419,7 @@ class Comm:
         """Run ``target`` in a thread that holds the data lane until it ends: the
         next arrival on this group waits for it."""
         t = threading.Thread(target=target, name=name, daemon=True)
-        (self.channel or _solo).background = t
+        (self.channel or _solo()).background = t
         t.start()
         return t
 
@@ -453,7 +436,7 @@ class Comm:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
         self._run(self.dist.all_gather, outs, buf)
-        traffic.add(8 * self.world + n * self.world)
+        PROCESS.seams.traffic.add(8 * self.world + n * self.world)
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
@@ -462,7 +445,7 @@ class Comm:
             return flags
         out = flags.clone()
         self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX)
-        traffic.add(out.numel() * out.element_size())
+        PROCESS.seams.traffic.add(out.numel() * out.element_size())
         return out
 
     # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
@@ -481,7 +464,7 @@ class Comm:
             self._run(self.dist.gather, size, None, dst=root)
             if data:
                 self._run(self.dist.send, _as_tensor(data), dst=root)
-            traffic.ops += 1
+            PROCESS.seams.traffic.ops += 1
             return None
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         self._run(self.dist.gather, size, sizes, dst=root)
@@ -494,7 +477,7 @@ class Comm:
                 w.wait()
 
         self._run(recv_all)
-        traffic.add(8 * self.world + sum(ns[1:]))
+        PROCESS.seams.traffic.add(8 * self.world + sum(ns[1:]))
         return [obj] + [json.loads(bytes(b.numpy())) for b in bufs[1:]]
 
     def scatter_json(self, objs: list[Any] | None) -> Any:
@@ -518,14 +501,14 @@ class Comm:
                     w.wait()
 
             self._run(send_all)
-            traffic.ops += 1
+            PROCESS.seams.traffic.ops += 1
             return objs[0]
         self._run(self.dist.scatter, size, None, src=root)
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8)
         if n:
             self._run(self.dist.recv, buf, src=root)
-        traffic.add(8 + n)
+        PROCESS.seams.traffic.add(8 + n)
         return json.loads(bytes(buf.numpy()))
 
     def broadcast_json(self, obj: Any) -> Any:
@@ -541,9 +524,9 @@ class Comm:
         if n:
             self._run(self.dist.broadcast, buf, src=root)
         if self.rank == 0:
-            traffic.ops += 1
+            PROCESS.seams.traffic.ops += 1
             return obj
-        traffic.add(8 + n)
+        PROCESS.seams.traffic.add(8 + n)
         return json.loads(bytes(buf.numpy()))
 
     def flag_any(self, flag: bool) -> bool:
@@ -704,7 +687,7 @@ def coordinate(comm: Comm, payload: Any, error: BaseException | None, decide: An
         # a peer is gone as well; this rank's own failure is what its user needs first
         raise ShardpointError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})") from own
     if not reply["ok"]:
-        others = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
+        others: list[tuple[int, dict[str, Any]]] = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
         _raise_failed(comm, [(reply["rank"], reply), *others], own)
     return reply["payload"]
 
