@@ -39,6 +39,7 @@ Lightning is imported when this module is: ``import shardpoint`` never needs it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -261,34 +262,28 @@ class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStra
         return {}
 
 
-_RESUMABLE: dict[type, type] = {}
-
-
+@functools.cache  # one subclass per DataLoader class, made once
 def _resumable(cls: type) -> type:
     """A subclass of a DataLoader class whose state is its ElasticBatchSampler's
     position, so Lightning saves it with its loops and restores it before making the
     iterator, and whose length is a whole epoch's (Lightning counts the batches of a
     resumed epoch from its own progress, as for any stateful loader)."""
-    sub = _RESUMABLE.get(cls)
-    if sub is None:
 
-        def state_dict(self: Any) -> dict[str, Any]:
-            return {"elastic_batch_sampler": self.batch_sampler.state_dict()}
+    def state_dict(self: Any) -> dict[str, Any]:
+        return {"elastic_batch_sampler": self.batch_sampler.state_dict()}
 
-        def load_state_dict(self: Any, state: dict[str, Any]) -> None:
-            self.batch_sampler.load_state_dict(state["elastic_batch_sampler"])
+    def load_state_dict(self: Any, state: dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state["elastic_batch_sampler"])
 
-        def __len__(self: Any) -> int:  # a whole epoch, wherever the position is (Lightning counts the rest)
-            s = self.batch_sampler
-            steps = s.dataset_len // s.global_batch_size if s.drop_last else -(-s.dataset_len // s.global_batch_size)
-            return steps * s.accumulation_steps
+    def __len__(self: Any) -> int:  # a whole epoch, wherever the position is (Lightning counts the rest)
+        s = self.batch_sampler
+        steps = s.dataset_len // s.global_batch_size if s.drop_last else -(-s.dataset_len // s.global_batch_size)
+        return steps * s.accumulation_steps
 
-        sub = type(
-            f"Resumable{cls.__name__}", (cls,),
-            {"state_dict": state_dict, "load_state_dict": load_state_dict, "__len__": __len__},
-        )
-        _RESUMABLE[cls] = sub
-    return sub
+    return type(
+        f"Resumable{cls.__name__}", (cls,),
+        {"state_dict": state_dict, "load_state_dict": load_state_dict, "__len__": __len__},
+    )
 
 
 def _elastic_samplers(loaders: Any) -> Iterator[ElasticBatchSampler]:
