@@ -8,12 +8,16 @@ earlier save already wrote is not written again: the index refers to it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import torch
 
-from ..format.datafile import write_data_file
+from ..errors import ShardpointError
+from ..format import datafile
+from ..format.datafile import WrittenChunk, crc32, data_header
 from ..format.index import Located, digest, index_bytes, index_name
 from ..storage import Storage
-from .buffers import pool, sources
+from .buffers import Source, pool, sources
 from .coordinator import replica_digest
 from .incremental import Session
 from .records import IndexRecord, Staged, WriteStatus
@@ -54,6 +58,49 @@ def write(storage: Storage, fname: str, staged: Staged, incremental: Session | N
         incremental.wrote(fname, size, chunks)
     return WriteStatus(fname, size, IndexRecord(iname, len(idx), digest(idx)), tuple(replicas),
                        tuple(replicas.values()), (incremental.refs or None) if incremental is not None else None)
+
+
+def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, Source]]) -> list[WrittenChunk]:
+    """Write ``chunks`` (name, source) as one safetensors file, durable on return.
+
+    The header is made first from shapes alone, then each chunk's bytes stream from
+    its source's pieces (its own memory, or the pool's slots) with no other copy,
+    checksummed block by block as they go."""
+    lengths = [src.numel() * src.element_size() for _, src in chunks]
+    header = data_header([(n, src.dtype, tuple(src.shape), length) for (n, src), length in zip(chunks, lengths)])
+    crcs: list[list[int]] = []
+    block = datafile.CRC_BLOCK  # read at the call: tests shrink it
+
+    def parts() -> Iterator[memoryview | bytes]:
+        yield header
+        for (cname, src), n in zip(chunks, lengths):
+            these: list[int] = []
+            crc, filled, seen = 0, 0, 0
+            for view in src.pieces():
+                i = 0
+                while i < len(view):  # pieces cut at CRC block boundaries
+                    piece = view[i : i + block - filled]
+                    crc = crc32(piece, crc)
+                    filled += len(piece)
+                    i += len(piece)
+                    yield piece
+                    if filled == block:
+                        these.append(crc)
+                        crc, filled = 0, 0
+                seen += len(view)
+            if seen != n:  # pragma: no cover - a source that lied about its size
+                raise ShardpointError(f"chunk {cname!r}: {seen} bytes streamed, {n} expected; this is a bug")
+            if filled or not these:
+                these.append(crc)
+            crcs.append(these)
+
+    storage.write_file(name, parts())
+    out = []
+    off = len(header)
+    for n, c in zip(lengths, crcs):
+        out.append(WrittenChunk(off, n, c))
+        off += n
+    return out
 
 
 def _host(v: torch.Tensor) -> torch.Tensor:
