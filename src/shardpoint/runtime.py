@@ -79,6 +79,9 @@ class Seams:
     #: Route CPU tensors through the blocking save's pool too (``SHARDPOINT_FORCE_POOL=1``):
     #: the path device tensors take, minus the device.
     force_pool: bool = os.environ.get("SHARDPOINT_FORCE_POOL", "") == "1"
+    #: Record which floating-point chunks hold NaN or infinity while they are written
+    #: (off only to measure what the check costs: benchmarks/health_bench.py).
+    health_check: bool = True
     counters: Counters = field(default_factory=Counters)
     #: Counted at the Comm layer for every JSON collective and ``any_true``.
     traffic: Traffic = field(default_factory=Traffic)

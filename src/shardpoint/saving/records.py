@@ -11,6 +11,7 @@ and from that form here (``wire`` / ``from_wire``), nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypedDict
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ShardpointError
+from .incremental import Session
 
 #: A JSON object as the collectives carry it.
 Wire = dict[str, Any]
@@ -181,8 +183,9 @@ class IndexRecord:
 @dataclass(frozen=True, slots=True)
 class WriteStatus:
     """What one rank wrote: its data file (None when it wrote nothing), the file's
-    size and index, the checksum digests of its replica rows, and the earlier data
-    files it refers to (incremental saves: ref -> {"size", "bytes"})."""
+    size and index, the checksum digests of its replica rows, the earlier data files
+    it refers to (incremental saves: ref -> {"size", "bytes"}), and the keys of the
+    chunks it wrote or referred to that hold a NaN or an infinity."""
 
     file: str | None
     size: int = 0
@@ -190,9 +193,12 @@ class WriteStatus:
     replica_rows: tuple[int, ...] = ()
     replica_digests: tuple[int, ...] = ()
     refs: dict[str, dict[str, int]] | None = None
+    nonfinite: tuple[str, ...] = ()
 
     def wire(self) -> Wire:
         out: Wire = {"file": self.file, "replicas": [list(self.replica_rows), list(self.replica_digests)]}
+        if self.nonfinite:
+            out["nonfinite"] = list(self.nonfinite)
         if self.file is not None:
             assert self.index is not None
             out["size"] = self.size
@@ -210,7 +216,24 @@ class WriteStatus:
                 file=m["file"], size=int(m.get("size", 0)),
                 index=IndexRecord(str(index["name"]), int(index["size"]), str(index["sha256"])) if index else None,
                 replica_rows=tuple(int(r) for r in rows), replica_digests=tuple(int(d) for d in digests),
-                refs=m.get("refs"))
+                refs=m.get("refs"), nonfinite=tuple(str(k) for k in m.get("nonfinite", ())))
         except (KeyError, TypeError, ValueError):
             raise ShardpointError(f"malformed write status from rank {rank}; every rank must run the same "
                                   "shardpoint version") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveOptions:
+    """How a save runs, beyond the state and the path."""
+
+    #: Replace a checkpoint already at the path (atomically); else refuse.
+    overwrite: bool = False
+    #: Rank 0, right after the manifest is written, before any rank returns (the
+    #: manager points ``latest`` here); its failure fails the save, which stays committed.
+    on_commit: Callable[[], None] | None = None
+    #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
+    after_commit: Callable[[], None] | None = None
+    #: This rank's incremental session: chunks it finds unchanged are referenced, not written.
+    incremental: Session | None = None
+    #: The caller's numbers for this step (rank 0's are recorded in the manifest).
+    metrics: Mapping[str, float] | None = None
