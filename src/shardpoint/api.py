@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -141,6 +141,8 @@ class Metadata:
     per_rank: dict[str, list[int]]  # key -> ranks that saved a value
     nbytes: int  # bytes of the checkpoint's own data files
     referenced: int = 0  # bytes of chunks stored by reference in earlier checkpoints' files (incremental saves)
+    nonfinite: list[str] | None = None  # keys whose tensors held NaN or infinity when saved (None: not recorded)
+    metrics: dict[str, float] = field(default_factory=dict)  # the saving job's numbers for this step
 
 
 def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
@@ -164,6 +166,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     return Metadata(
         world_size=m.world_size, created=datetime.fromtimestamp(m.created, tz=timezone.utc), version=m.version,
         tensors=tensors, values=values, per_rank=per_rank, nbytes=m.own_bytes(), referenced=m.referenced_bytes(),
+        nonfinite=m.nonfinite, metrics=dict(m.metrics),
     )
 
 
