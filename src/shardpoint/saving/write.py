@@ -8,6 +8,7 @@ earlier save already wrote is not written again: the index refers to it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -127,12 +128,23 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, Sou
 
 def _finite(piece: memoryview, dtype: torch.dtype) -> bool:
     """Whether the values in ``piece`` (whole elements of ``dtype``) are all finite.
-    A dtype torch cannot test on the CPU (some float8 kinds) counts as finite."""
+
+    A sum is one fast vectorised pass, and a NaN or an infinity anywhere makes it
+    non-finite (IEEE arithmetic propagates them in any order); so a finite sum proves
+    the piece finite. Only a non-finite sum, which finite values can also give by
+    overflowing, is looked at again: summed in float64, then element by element
+    (``torch.isfinite`` is some 30 times slower than the sum). A dtype torch cannot sum
+    on the CPU (some float8 kinds) counts as finite."""
     if not len(piece):
         return True
     try:
-        return bool(torch.isfinite(torch.frombuffer(piece, dtype=dtype)).all())
-    except (RuntimeError, TypeError, ValueError):  # no isfinite kernel for this dtype, or a torn element
+        t = torch.frombuffer(piece, dtype=dtype)
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if math.isfinite(float(t.sum())) or math.isfinite(float(t.sum(dtype=torch.float64))):
+            return True
+        return bool(torch.isfinite(t).all())
+    except (RuntimeError, TypeError, ValueError):  # no kernel for this dtype, or a torn element
         return True
 
 
