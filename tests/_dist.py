@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +30,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(nproc: int, script: str | os.PathLike[str], *args: str, timeout: float = 240,
+             env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+             merge_stderr: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under torchrun on ``nproc`` local ranks (a free loopback port,
+    OMP_NUM_THREADS=1, this interpreter's import path); the whole process group is
+    killed if it outlives ``timeout``. Returns the finished process with its output
+    (stderr folded into stdout with ``merge_stderr``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+    proc = subprocess.Popen(cmd, env=full, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
 
 
 _PRELOAD = ["torch", "torch.distributed", "numpy", "shardpoint", "tests._dist"]

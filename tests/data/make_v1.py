@@ -85,15 +85,20 @@ def _save(rank: int, world: int, path: str) -> None:
     shardpoint.save(rank_state(rank), path)
 
 
-def main() -> None:
+def regenerate(name: str) -> None:
+    """Save the state on ``WORLD`` real ranks into tests/data/<name> (only with --force)."""
     if "--force" not in sys.argv:
-        sys.exit("tests/data/v1 is a fixture: pass --force to rewrite it (see the docstring)")
+        sys.exit(f"tests/data/{name} is a fixture: pass --force to rewrite it (see the docstring)")
     from tests._dist import run_ranks
 
-    out = HERE / "v1"
+    out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     run_ranks(_save, WORLD, str(out), timeout=300)
     print(f"wrote {out}: {sorted(p.name for p in out.iterdir())}")
+
+
+def main() -> None:
+    regenerate("v1")
 
 
 if __name__ == "__main__":

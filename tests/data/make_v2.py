@@ -13,30 +13,11 @@ version 2 (sealed manifest, per-rank data files with CRC indexes).
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
-from tests.data.make_v1 import WORLD, rank_state
-
-HERE = Path(__file__).resolve().parent
-
-
-def _save(rank: int, world: int, path: str) -> None:
-    import shardpoint
-
-    shardpoint.save(rank_state(rank), path)
+from tests.data.make_v1 import regenerate
 
 
 def main() -> None:
-    if "--force" not in sys.argv:
-        sys.exit("tests/data/v2 is a fixture: pass --force to rewrite it (see the docstring)")
-    from tests._dist import run_ranks
-
-    out = HERE / "v2"
-    shutil.rmtree(out, ignore_errors=True)
-    run_ranks(_save, WORLD, str(out), timeout=300)
-    print(f"wrote {out}: {sorted(p.name for p in out.iterdir())}")
+    regenerate("v2")  # make_v1.py's state, saved by the code of the day
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -22,7 +21,7 @@ import torch
 
 import shardpoint
 from shardpoint.runtime import PROCESS
-from tests._dist import free_port, run_ranks
+from tests._dist import run_ranks, torchrun
 
 pytestmark = pytest.mark.distributed
 STEPS = 100
@@ -163,10 +162,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
 
 
 def _torchrun(script: Path, nproc: int, *args: str, limit: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), str(script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    return torchrun(nproc, script, *args, timeout=limit)
 
 
 @pytest.mark.parametrize("how", ["wait", "destroy", "no-wait"])

@@ -14,16 +14,12 @@ Runs, made once for the module:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._dist import free_port
+from tests._dist import torchrun as _torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -36,18 +32,9 @@ SMALL = ["--dataset-size", "100", "--train-batch-size", "8", "--micro-batch-size
 
 
 def torchrun(nproc: int, out: Path, name: str, *extra: str, timeout: float = 150) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(TRAIN), *SMALL, "--out", str(out),
-           "--run-name", name, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc = _torchrun(nproc, TRAIN, *SMALL, "--out", str(out), "--run-name", name, *extra, timeout=timeout,
+                     env={"PYTHONPATH": str(ROOT / "src")}, cwd=ROOT, merge_stderr=True)
+    output = proc.stdout
     assert proc.returncode == 0, f"{name} failed:\n{output[-6000:]}"
     return out / name
 

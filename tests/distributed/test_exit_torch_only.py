@@ -13,15 +13,12 @@ for a reason that is not ours; the soak compares the rates (see the issue notes)
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests._dist import free_port
+from tests._dist import torchrun
 
 pytestmark = [
     pytest.mark.distributed,
@@ -67,18 +64,9 @@ def test_a_torch_only_script_that_imports_shardpoint_exits_0(tmp_path: Path, how
     script = tmp_path / "fsdp_dcp.py"
     script.write_text(_SCRIPT)
     runs = int(os.environ.get("SHARDPOINT_EXIT_RUNS", "1"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     for i in range(runs):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(script), str(tmp_path / f"dcp{i}"), how]
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = proc.communicate(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        proc = torchrun(4, script, str(tmp_path / f"dcp{i}"), how, timeout=240)
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 0, f"run {i} ({how}) exited {proc.returncode}:\n{out}\n{err[-4000:]}"
         assert "terminate called" not in err, f"run {i} ({how}):\n{err[-4000:]}"
         assert out.count("done") == 4, out

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._dist import free_port
+from tests._dist import torchrun
 from tests.integrations._frameworks import need
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
@@ -30,18 +27,9 @@ def test_the_documented_example_splits_each_global_batch_between_the_ranks(tmp_p
     from shardpoint.elastic import ElasticBatchSampler
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(EXAMPLE), "--steps", str(STEPS), "--out", str(out),
-           "--log-samples"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=360)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc = torchrun(2, EXAMPLE, "--steps", str(STEPS), "--out", str(out), "--log-samples", timeout=360,
+                    env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}, cwd=ROOT, merge_stderr=True)
+    output = proc.stdout
     assert proc.returncode == 0, output[-6000:]
     per_rank = []
     for r in range(2):
