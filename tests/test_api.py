@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -649,3 +650,20 @@ def test_a_sparse_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
         shardpoint.save({"emb": torch.eye(3).to_sparse(), "w": torch.ones(2)}, tmp_path / "c")
     assert isinstance(e.value, TypeError) and isinstance(e.value, shardpoint.ShardpointError)
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_importing_shardpoint_changes_nothing_at_exit() -> None:
+    """A script that only imports shardpoint exits as it would without it: no
+    threading exit hook, no thread, no process group (the save in flight's exit hook
+    is registered by the first save or restore)."""
+    import subprocess
+    import sys
+
+    code = ("import concurrent.futures, threading, torch\n"
+            "before = (list(threading._threading_atexits), threading.active_count())\n"
+            "import shardpoint\n"
+            "assert (list(threading._threading_atexits), threading.active_count()) == before\n"
+            "shardpoint.save({'w': torch.ones(2)}, __import__('sys').argv[1])\n"
+            "assert len(threading._threading_atexits) == len(before[0]) + 1\n")
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([sys.executable, "-c", code, f"{d}/c"], check=True, timeout=120)

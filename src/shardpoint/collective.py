@@ -283,17 +283,7 @@ class Comm:
             # save behind `if rank == 0:`) was given up here before it came; it is
             # not late for it, so it moves on to the next call instead of failing
             self._leave(k)
-        if n >= _ABORT:  # late: this very call was given up before this rank came
-            verdict = s.get(k + "go")
-        elif n == world:  # last: release everyone
-            verdict = b"ok" if s.add(k + "bad", 0) == 0 else b"mismatch"
-            s.set(k + "go", verdict)
-        else:
-            try:
-                s.wait([k + "go"], timedelta(seconds=self.timeout))
-            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError and kin)
-                self._give_up(k)
-            verdict = s.get(k + "go")
+        verdict = self._released(s, k, n, world, lambda: b"ok" if s.add(k + "bad", 0) == 0 else b"mismatch")
         try:
             if verdict.startswith(b"aborted"):
                 self._raise_aborted(op, path, verdict)
@@ -337,17 +327,7 @@ class Comm:
             self._raise_aborted(op, path, ch.given_up[k])
         n = s.add(k + "n", 1)
         s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
-        if n >= _ABORT:  # late: this very call was given up before this rank came
-            verdict = s.get(k + "go")
-        elif n == world:  # last: release everyone
-            verdict = b"ok"
-            s.set(k + "go", verdict)
-        else:
-            try:
-                s.wait([k + "go"], timedelta(seconds=self.timeout))
-            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError and kin)
-                self._give_up(k)
-            verdict = s.get(k + "go")
+        verdict = self._released(s, k, n, world, lambda: b"ok")
         try:
             if verdict.startswith(b"aborted"):
                 ch.given_up[k] = verdict
@@ -357,6 +337,23 @@ class Comm:
         with PROCESS.channel_lock:
             ch.seq = seq
             ch.given_up.clear()
+
+    def _released(self, s: Any, k: str, n: int, world: int, verdict_of_last: Callable[[], bytes]) -> bytes:
+        """The verdict of call ``k`` for a rank whose count-in returned ``n``: the call's
+        release key if the call was already given up (a late rank) or once it is
+        written; the last rank to count in writes it (``verdict_of_last()``); a rank
+        that waits past the timeout gives the call up (naming the absent ranks)."""
+        if n >= _ABORT:  # late: this very call was given up before this rank came
+            return bytes(s.get(k + "go"))
+        if n == world:  # last: release everyone
+            verdict = verdict_of_last()
+            s.set(k + "go", verdict)
+            return verdict
+        try:
+            s.wait([k + "go"], timedelta(seconds=self.timeout))
+        except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError and kin)
+            self._give_up(k)
+        return bytes(s.get(k + "go"))
 
     def _give_up(self, k: str) -> None:
         """The timeout passed: abandon the call unless the last rank just came. The

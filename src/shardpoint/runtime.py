@@ -113,6 +113,8 @@ class Process:
     staging: object | None = None  # saving.buffers.StagingBuffer
     pool: object | None = None  # saving.buffers.Pool
     seams: Seams = field(default_factory=Seams)
+    #: Whether the exit hook of the save in flight is registered (at the first save or restore).
+    exit_hook: bool = False
     #: Per thread: the CUDA copy stream of each device (made on first use).
     cuda_streams: threading.local = field(default_factory=threading.local)
 

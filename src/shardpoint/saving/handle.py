@@ -110,7 +110,8 @@ class SaveHandle:
 
 
 def wait_in_flight() -> None:
-    """Wait for the save in flight, if any (re-raising its error)."""
+    """Wait for the save in flight, if any (re-raising its error). Every save starts here."""
+    _ensure_exit_hook()
     h = PROCESS.in_flight
     if isinstance(h, SaveHandle):
         h.wait()
@@ -119,6 +120,7 @@ def wait_in_flight() -> None:
 def settle_in_flight() -> None:
     """Wait for the save in flight, if any, to end; its error stays with its
     handle for :meth:`SaveHandle.wait` or the next save to raise."""
+    _ensure_exit_hook()
     h = PROCESS.in_flight
     if isinstance(h, SaveHandle):
         h._done.wait()
@@ -160,10 +162,16 @@ def _at_exit() -> None:
         )
 
 
-# threading's exit hooks run before Python joins non-daemon threads and before
-# ``atexit``, while every thread and torch itself are still whole
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_at_exit)
-else:  # pragma: no cover - every supported Python has it
-    atexit.register(_at_exit)
+def _ensure_exit_hook() -> None:
+    """Register :func:`_at_exit` once per process, at the first save or restore (not at
+    import: a script that only imports shardpoint keeps Python's exit as it is).
+    threading's exit hooks run before Python joins non-daemon threads and before
+    ``atexit``, while every thread and torch itself are still whole."""
+    if PROCESS.exit_hook:
+        return
+    PROCESS.exit_hook = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_at_exit)
+    else:  # pragma: no cover - every supported Python has it
+        atexit.register(_at_exit)
