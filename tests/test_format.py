@@ -312,7 +312,8 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
     assert m["files"] == {fname: {"size": len(raw), "rank": 0, "index": {
         "name": iname, "size": len(index), "sha256": hashlib.sha256(index).hexdigest()}}}
     assert sorted(m) == sorted(["seal", "format", "version", "library_version", "created", "world_size", "save_id",
-                                "checksum", "files", "containers", "entries"])
+                                "checksum", "files", "containers", "entries", "health"])
+    assert m["health"] == {"nonfinite": [], "metrics": {}}
     assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 2, 1)
     text = (p / "manifest.json").read_bytes()
     body = b'{"format":"shardpoint","version":2,' + text.split(b'"version":2,', 1)[1]

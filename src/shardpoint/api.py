@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -37,6 +37,7 @@ def save(
     blocking: bool = True,
     overlap: bool = False,
     storage_options: dict[str, Any] | None = None,
+    tag: str | None = None,
 ) -> SaveHandle | None:
     """Save ``state`` to ``path``. Collective: every rank of ``process_group`` (default:
     the whole job; no group at all without torch.distributed) calls it with its own
@@ -65,10 +66,13 @@ def save(
             else that changes a saved tensor in place must wait for
             ``handle.wait_staged()`` first, or the save fails naming the key and
             commits nothing (docs/async.md).
+        tag: the same string on every rank (a trainer's global step): the ranks then
+            meet by path and tag rather than by call order, so a save that some
+            ranks skip never meets another save; it is abandoned naming them.
     """
     if overlap and blocking:
         raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
-    return save_state(Comm(process_group, timeout), storage_for(path, storage_options), state,
+    return save_state(Comm(process_group, timeout, arrival_tag=tag), storage_for(path, storage_options), state,
                       SaveOptions(overwrite=overwrite), blocking=blocking, overlap=overlap)
 
 
@@ -137,6 +141,8 @@ class Metadata:
     per_rank: dict[str, list[int]]  # key -> ranks that saved a value
     nbytes: int  # bytes of the checkpoint's own data files
     referenced: int = 0  # bytes of chunks stored by reference in earlier checkpoints' files (incremental saves)
+    nonfinite: list[str] | None = None  # keys whose tensors held NaN or infinity when saved (None: not recorded)
+    metrics: dict[str, float] = field(default_factory=dict)  # the saving job's numbers for this step
 
 
 def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Metadata:
@@ -160,6 +166,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     return Metadata(
         world_size=m.world_size, created=datetime.fromtimestamp(m.created, tz=timezone.utc), version=m.version,
         tensors=tensors, values=values, per_rank=per_rank, nbytes=m.own_bytes(), referenced=m.referenced_bytes(),
+        nonfinite=m.nonfinite, metrics=dict(m.metrics),
     )
 
 

@@ -33,6 +33,8 @@ class CheckpointRow(TypedDict):
     world_size: int | None
     status: str
     latest: bool
+    nonfinite: list[str] | None  # None: saved before health was recorded, or not committed
+    metrics: dict[str, float] | None
 
 
 class DiffResult(TypedDict):
@@ -205,15 +207,24 @@ def _ls(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title=f"checkpoints under {args.root}")
-    for c in ("step", "time (UTC)", "size", "referenced", "world size", "status", "latest"):
+    for c in ("step", "time (UTC)", "size", "referenced", "world size", "status", "health", "metrics", "latest"):
         t.add_column(c, justify="right" if c in ("step", "size", "referenced", "world size") else "left")
     for r in rows:
         t.add_row(str(r["step"]), r["time"] or "-", _human(r["size"]), _human(r["referenced"]) if r["referenced"] else "-",
-                  str(r["world_size"] or "-"), r["status"], "<- latest" if r["latest"] else "")
+                  str(r["world_size"] or "-"), r["status"], _health(r["nonfinite"]),
+                  " ".join(f"{k}={v:.4g}" for k, v in (r["metrics"] or {}).items()) or "-",
+                  "<- latest" if r["latest"] else "")
     _console().print(t)
     if not rows:
         print(f"no step-* folders under {args.root}")
     return OK
+
+
+def _health(nonfinite: list[str] | None) -> str:
+    """A checkpoint's health in a table cell."""
+    if nonfinite is None:
+        return "-"  # saved before health was recorded
+    return f"NaN/inf in {len(nonfinite)} key(s)" if nonfinite else "finite"
 
 
 def _checkpoints(root: str) -> list[CheckpointRow]:
@@ -239,13 +250,16 @@ def _checkpoints(root: str) -> list[CheckpointRow]:
         if info is not None:
             rows.append({"step": step, "path": info.path, "time": info.time.strftime("%Y-%m-%d %H:%M:%S"),
                          "size": info.size, "referenced": info.referenced, "world_size": info.world_size,
-                         "status": "committed", "latest": latest is not None and latest.step == step})
+                         "status": "committed", "latest": latest is not None and latest.step == step,
+                         "nonfinite": None if info.nonfinite is None else list(info.nonfinite),
+                         "metrics": dict(info.metrics)})
         else:
             status = "unreadable manifest" if mgr.storage.child(name).exists(MANIFEST_NAME) else "incomplete"
             if status == "incomplete" and name in needed:
                 status = "referenced data only"  # retention dropped it; kept checkpoints still read these files
             rows.append({"step": step, "path": mgr.storage.child(name).url, "time": None, "size": None,
-                         "referenced": None, "world_size": None, "status": status, "latest": False})
+                         "referenced": None, "world_size": None, "status": status, "latest": False,
+                         "nonfinite": None, "metrics": None})
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -271,7 +285,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "path": args.path, "format_version": m.version, "world_size": m.world_size, "created": m.created.isoformat(),
-            "nbytes": m.nbytes, "referenced_nbytes": m.referenced,
+            "nbytes": m.nbytes, "referenced_nbytes": m.referenced, "nonfinite": m.nonfinite, "metrics": m.metrics,
             "tensors": {k: {"shape": list(t.shape), "dtype": _dtype(t.dtype), "nbytes": t.nbytes,
                             "sharding": _sharding(t.shape, t.chunks),
                             "chunks": [{"offsets": list(o), "sizes": list(s)} for o, s in t.chunks]}
@@ -286,7 +300,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
     tree = Tree(f"{escape(args.path)}: format v{m.version}, saved by {m.world_size} rank(s) at "
                 f"{m.created.strftime('%Y-%m-%d %H:%M:%S')} UTC, {_human(m.nbytes)} in files"
-                + (f", {_human(m.referenced)} by reference to earlier checkpoints" if m.referenced else ""))
+                + (f", {_human(m.referenced)} by reference to earlier checkpoints" if m.referenced else "")
+                + (f"; {_health(m.nonfinite)}" if m.nonfinite is not None else "")
+                + "".join(f", {k}={v:.4g}" for k, v in m.metrics.items()))
     nodes: dict[tuple[str | int, ...], Tree] = {(): tree}
 
     def parent(path: tuple[str | int, ...]) -> Tree:

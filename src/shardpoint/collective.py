@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import CollectiveMismatchError, ShardpointError
+from .runtime import PROCESS
 
 #: Timeout of the checkpoint lanes' collectives (a save's data phase can take long;
 #: arrival is bounded separately by the call's ``timeout``).
@@ -52,33 +53,6 @@ _ABORT = 1 << 40
 #: collective completes; the slices only bound how late a closed channel is seen).
 _POLL = timedelta(seconds=0.25)
 
-_channels: dict[str, _Channel] = {}
-# a forked child (a DataLoader worker) inherits the parent's channels but not their
-# gloo threads: it must never use, close or destroy them
-os.register_at_fork(after_in_child=_channels.clear)
-
-class Traffic:
-    """Bytes this process received through the checkpoint group's collectives, and
-    how many collectives it ran (the scale tests and benchmark read it)."""
-
-    __slots__ = ("received", "ops")
-
-    def __init__(self) -> None:
-        self.received = 0
-        self.ops = 0
-
-    def reset(self) -> None:
-        self.received = self.ops = 0
-
-    def add(self, nbytes: int) -> None:
-        self.received += int(nbytes)
-        self.ops += 1
-
-
-#: Counted at the Comm layer for every JSON collective and ``any_true``.
-traffic = Traffic()
-
-_lock = threading.Lock()
 
 
 def _dist():  # type: ignore[no-untyped-def]
@@ -87,7 +61,30 @@ def _dist():  # type: ignore[no-untyped-def]
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-class _Channel:
+def default_rank_and_world() -> tuple[int, int] | None:
+    """This process's rank and the world size of the default process group, or None
+    while torch.distributed is not initialised (for callers that must not guess)."""
+    dist = _dist()
+    if dist is None:
+        return None
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+class _Background:
+    """What a channel knows of the save running in the background, if any."""
+
+    background: threading.Thread | None = None
+
+    def settle(self) -> None:
+        """Wait for the background operation (the asynchronous save in flight) to
+        end, so the data lane is free. Its error stays with its handle."""
+        t = self.background
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self.background = None
+
+
+class _Channel(_Background):
     """The one owner of a process group's checkpoint coordination.
 
     Every checkpoint collective of the group runs through it: ``seq`` numbers the
@@ -105,6 +102,12 @@ class _Channel:
         self.ctl: Any = None
         self.background: threading.Thread | None = None
         self.closing = False
+        #: An arrival kept for the next call (``Comm.arrive(..., hold=True)``): its
+        #: identity digest and call number. Any other arrival drops it.
+        self.held: tuple[str, int] | None = None
+        #: Tagged slots of the current call number that this rank left abandoned, and
+        #: their verdicts: calling one again raises at once instead of counting in twice.
+        self.given_up: dict[str, bytes] = {}
 
     def open(self) -> None:
         """Make both lanes, on the caller's thread. Called where every rank of the
@@ -112,21 +115,13 @@ class _Channel:
         check that every rank makes at the same step."""
         if self.data is not None:
             return
-        with _lock:
+        with PROCESS.channel_lock:
             if self.data is None:
                 make = self.dist.new_group
                 kw = dict(ranks=self.ranks, backend="gloo", timeout=GROUP_TIMEOUT, use_local_synchronization=True)
                 data = make(**kw)
                 self.ctl = make(**kw)
                 self.data = data
-
-    def settle(self) -> None:
-        """Wait for the background operation (the asynchronous save in flight) to
-        end, so the data lane is free. Its error stays with its handle."""
-        t = self.background
-        if t is not None and t is not threading.current_thread():
-            t.join()
-            self.background = None
 
     def close(self) -> None:
         """At interpreter exit: fail the lanes' pending and future collectives
@@ -155,31 +150,34 @@ def _takes_async_op(collective: Any) -> bool:
         return False
 
 
-class _Solo:
+class _Solo(_Background):
     """Without torch.distributed: only the background save to wait for."""
 
-    background: threading.Thread | None = None
-    settle = _Channel.settle
 
-
-_solo = _Solo()
+def _solo() -> _Solo:
+    """The no-group stand-in for a channel (one per process)."""
+    with PROCESS.channel_lock:
+        s = PROCESS.channels.get("")
+        if not isinstance(s, _Solo):
+            s = PROCESS.channels[""] = _Solo()
+        return s
 
 
 def _channel(dist: Any, tag: str, ranks: list[int]) -> _Channel:
-    with _lock:
-        ch = _channels.get(tag)
-        if ch is None or ch.world_pg is not dist.group.WORLD:
-            ch = _channels[tag] = _Channel(dist, tag, ranks)
+    with PROCESS.channel_lock:
+        ch = PROCESS.channels.get(tag)
+        if not isinstance(ch, _Channel) or ch.world_pg is not dist.group.WORLD:
+            ch = PROCESS.channels[tag] = _Channel(dist, tag, ranks)
         return ch
 
 
 def close_channels(release: bool = False) -> None:
     """Close every channel (see :meth:`_Channel.close`) and, with ``release``,
     destroy their lanes (:meth:`_Channel.release`); for the exit handler."""
-    with _lock:
-        chans = list(_channels.values())
+    with PROCESS.channel_lock:
+        chans = [c for c in PROCESS.channels.values() if isinstance(c, _Channel)]
         if release:
-            _channels.clear()
+            PROCESS.channels.clear()
     for ch in chans:
         ch.close()
         if release:
@@ -189,8 +187,12 @@ def close_channels(release: bool = False) -> None:
 class Comm:
     """Rank, world size and JSON collectives of one process group."""
 
-    def __init__(self, process_group: Any = None, timeout: timedelta | float = timedelta(minutes=10)) -> None:
+    def __init__(self, process_group: Any = None, timeout: timedelta | float = timedelta(minutes=10),
+                 arrival_tag: str | None = None) -> None:
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        #: With a tag, ranks meet by (operation, path, tag) instead of by call order
+        #: (see :meth:`arrive`).
+        self.arrival_tag = arrival_tag
         dist = _dist()
         self.dist = dist
         self._seq = 0  # the arrival sequence number of this call (0: no arrival yet)
@@ -212,12 +214,23 @@ class Comm:
         self.channel = _channel(dist, self.tag, self.ranks)
 
     # -- arrival ---------------------------------------------------------------------
-    def arrive(self, op: str, path: str) -> None:
+    def arrive(self, op: str, path: str, *, hold: bool = False) -> None:
         """Block until every rank of the group called ``op`` on ``path``, or raise
         :class:`CollectiveMismatchError` naming the ranks that did not come within
         the timeout (and raise the same on ranks that come later). First waits for
         the asynchronous save in flight on this group, whose collectives hold the
         data lane until it ends.
+
+        With an ``arrival_tag`` (a trainer's global step, say) the ranks meet in a slot of
+        their own for (operation, path, tag) instead of at the next call number, so a
+        call that some ranks never make (a save behind ``if rank == 0:``) is abandoned
+        naming them while the others' next call meets apart from it; see
+        :meth:`_arrive_tagged`.
+
+        ``hold``: keep this arrival for the next call on this group if that call has
+        the same operation, path and tag (a trainer that runs a collective of its own
+        between its arrival and the core's save arrives once, before it); any other
+        call drops it.
 
         Store operations per rank: a compare-and-set of the reference digest, an
         add to the counter, an append of this rank's record, a wait for and a read
@@ -226,15 +239,32 @@ class Comm:
         that leaves last deletes the call's keys. Nothing else unless the call
         fails."""
         if self.store is None:
-            _solo.settle()
+            _solo().settle()
             return
         ch = self.channel
         assert ch is not None
         ch.settle()
+        identity = f"{op}\0{path}" if self.arrival_tag is None else f"{op}\0{path}\0{self.arrival_tag}"
+        digest = hashlib.sha1(identity.encode()).hexdigest()[:16]
+        held, ch.held = ch.held, None
+        if held is not None and held[0] == digest:  # the same call, arrived for ahead of it
+            self._seq = held[1]
+            return
+        if self.arrival_tag is not None:
+            self._arrive_tagged(op, path, digest)
+        else:
+            self._arrive_in_order(op, path, digest)
+        if hold:
+            ch.held = (digest, self._seq)
+        ch.open()
+
+    def _arrive_in_order(self, op: str, path: str, digest: str) -> None:
+        """The ranks meet at the next call number (see :meth:`arrive`)."""
+        ch = self.channel
         s, world = self.store, self.world
-        digest = hashlib.sha1(f"{op}\0{path}".encode()).hexdigest()[:16]
+        assert ch is not None and s is not None
         while True:
-            with _lock:
+            with PROCESS.channel_lock:
                 ch.seq += 1
                 seq = ch.seq
             self._seq = seq
@@ -279,7 +309,54 @@ class Comm:
                 )
         finally:
             self._leave(k)
-        ch.open()
+
+    def _arrive_tagged(self, op: str, path: str, digest: str) -> None:
+        """The ranks meet in the slot ``<next call number>/t/<digest of op, path,
+        tag>``. The call number moves on only when everyone came, so the ranks of a
+        call given up (some ranks never made it) stay at the number the others are
+        at, and everyone's next call meets in a fresh slot; a rank that makes the
+        abandoned call late reads its verdict. A call number that an untagged call
+        was given up at before this rank came is skipped, as in :meth:`_arrive_in_order`.
+
+        Store operations per rank: a check of the untagged slot, an add to the
+        counter, an append of this rank's record, a wait for and a read of the
+        release key, an add to the exit counter; the last to arrive writes the
+        release key and the last to leave deletes the slot's keys."""
+        ch = self.channel
+        s, world = self.store, self.world
+        assert ch is not None and s is not None
+        seq = ch.seq + 1
+        while s.check([f"{seq}/n"]) and s.add(f"{seq}/n", 0) >= _ABORT:
+            self._leave(f"{seq}/")  # an untagged call this rank never made, given up before it came
+            with PROCESS.channel_lock:
+                ch.seq = seq
+            seq += 1
+        self._seq = seq
+        k = f"{seq}/t/{digest}/"
+        if k in ch.given_up:  # this rank already left this very call abandoned
+            self._raise_aborted(op, path, ch.given_up[k])
+        n = s.add(k + "n", 1)
+        s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
+        if n >= _ABORT:  # late: this very call was given up before this rank came
+            verdict = s.get(k + "go")
+        elif n == world:  # last: release everyone
+            verdict = b"ok"
+            s.set(k + "go", verdict)
+        else:
+            try:
+                s.wait([k + "go"], timedelta(seconds=self.timeout))
+            except Exception:  # noqa: BLE001 - the store's timeout error (DistStoreError and kin)
+                self._give_up(k)
+            verdict = s.get(k + "go")
+        try:
+            if verdict.startswith(b"aborted"):
+                ch.given_up[k] = verdict
+                self._raise_aborted(op, path, verdict)
+        finally:
+            self._leave(k, ("n", "who", "go", "out"))
+        with PROCESS.channel_lock:
+            ch.seq = seq
+            ch.given_up.clear()
 
     def _give_up(self, k: str) -> None:
         """The timeout passed: abandon the call unless the last rank just came. The
@@ -308,22 +385,25 @@ class Comm:
                 return recs
             time.sleep(0.01)
 
-    def _leave(self, k: str) -> None:
+    def _leave(self, k: str, names: tuple[str, ...] = ("ref", "bad", "n", "who", "go", "out")) -> None:
         """Count this rank out; the last rank out deletes the call's keys. A call
         that was given up keeps them until the absent ranks come, so that they
-        still read the verdict (ranks that never come leave its six keys behind)."""
+        still read the verdict (ranks that never come leave its keys behind)."""
         s = self.store
         assert s is not None
         if s.add(k + "out", 1) == self.world:
-            for name in ("ref", "bad", "n", "who", "go", "out"):
+            for name in names:
                 s.delete_key(k + name)
 
     def _raise_aborted(self, op: str, path: str, verdict: bytes) -> None:
         absent = json.loads(verdict.decode().split(":", 1)[1])
+        at = f" [{self.arrival_tag}]" if self.arrival_tag else ""
         raise CollectiveMismatchError(
-            f"shardpoint.{op}({path!r}) is collective, but ranks {absent} of the process group did not call it "
-            f"within the timeout of {self.timeout:g}s, so it was abandoned on every rank. Call it on all ranks "
-            "(not only on rank 0), at the same point of the program; raise `timeout=` if ranks arrive far apart",
+            f"shardpoint.{op}({path!r}){at} is collective, but ranks {absent} of the process group did not call it "
+            f"within the timeout of {self.timeout:g}s, so it was abandoned on every rank. Call it on all ranks, not "
+            "only on rank 0 (not inside `if rank == 0:`, `if trainer.is_global_zero:`, "
+            "`if accelerator.is_main_process:` or `if args.process_index == 0:`), at the same point of the "
+            "program; raise `timeout=` if ranks arrive far apart",
             ranks=absent,
         )
 
@@ -339,7 +419,7 @@ class Comm:
         """Run ``target`` in a thread that holds the data lane until it ends: the
         next arrival on this group waits for it."""
         t = threading.Thread(target=target, name=name, daemon=True)
-        (self.channel or _solo).background = t
+        (self.channel or _solo()).background = t
         t.start()
         return t
 
@@ -356,7 +436,7 @@ class Comm:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
         self._run(self.dist.all_gather, outs, buf)
-        traffic.add(8 * self.world + n * self.world)
+        PROCESS.seams.traffic.add(8 * self.world + n * self.world)
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
@@ -365,7 +445,7 @@ class Comm:
             return flags
         out = flags.clone()
         self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX)
-        traffic.add(out.numel() * out.element_size())
+        PROCESS.seams.traffic.add(out.numel() * out.element_size())
         return out
 
     # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
@@ -384,7 +464,7 @@ class Comm:
             self._run(self.dist.gather, size, None, dst=root)
             if data:
                 self._run(self.dist.send, _as_tensor(data), dst=root)
-            traffic.ops += 1
+            PROCESS.seams.traffic.ops += 1
             return None
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         self._run(self.dist.gather, size, sizes, dst=root)
@@ -397,7 +477,7 @@ class Comm:
                 w.wait()
 
         self._run(recv_all)
-        traffic.add(8 * self.world + sum(ns[1:]))
+        PROCESS.seams.traffic.add(8 * self.world + sum(ns[1:]))
         return [obj] + [json.loads(bytes(b.numpy())) for b in bufs[1:]]
 
     def scatter_json(self, objs: list[Any] | None) -> Any:
@@ -421,14 +501,14 @@ class Comm:
                     w.wait()
 
             self._run(send_all)
-            traffic.ops += 1
+            PROCESS.seams.traffic.ops += 1
             return objs[0]
         self._run(self.dist.scatter, size, None, src=root)
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8)
         if n:
             self._run(self.dist.recv, buf, src=root)
-        traffic.add(8 + n)
+        PROCESS.seams.traffic.add(8 + n)
         return json.loads(bytes(buf.numpy()))
 
     def broadcast_json(self, obj: Any) -> Any:
@@ -444,9 +524,9 @@ class Comm:
         if n:
             self._run(self.dist.broadcast, buf, src=root)
         if self.rank == 0:
-            traffic.ops += 1
+            PROCESS.seams.traffic.ops += 1
             return obj
-        traffic.add(8 + n)
+        PROCESS.seams.traffic.add(8 + n)
         return json.loads(bytes(buf.numpy()))
 
     def flag_any(self, flag: bool) -> bool:
@@ -607,7 +687,7 @@ def coordinate(comm: Comm, payload: Any, error: BaseException | None, decide: An
         # a peer is gone as well; this rank's own failure is what its user needs first
         raise ShardpointError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})") from own
     if not reply["ok"]:
-        others = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
+        others: list[tuple[int, dict[str, Any]]] = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
         _raise_failed(comm, [(reply["rank"], reply), *others], own)
     return reply["payload"]
 

@@ -8,22 +8,23 @@ import re
 import signal
 import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .api import DEFAULT_TIMEOUT, PathLike, load
 from .collective import Comm
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
 from .format.digest import is_sealed, seal, unseal
 from .format.manifest import MANIFEST_NAME, read_manifest
 from .format.refs import split_ref
 from .report import LoadReport
 from .saving.handle import SaveHandle
 from .saving.incremental import Session, Tracker
-from .saving.pipeline import SaveOptions, save_state
+from .saving.pipeline import save_state
+from .saving.records import SaveOptions
 from .storage import Storage, storage_for
 
 if TYPE_CHECKING:
@@ -55,6 +56,27 @@ class CheckpointInfo:
     referenced: int = 0
     """Bytes it stores by reference in earlier checkpoints' data files (incremental
     saves); ``size`` counts only its own files."""
+    nonfinite: tuple[str, ...] | None = None
+    """The keys whose tensors held a NaN or an infinity when saved; None when the
+    checkpoint was saved before shardpoint recorded health."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """The numbers given to :meth:`CheckpointManager.save` for this step."""
+
+    @property
+    def healthy(self) -> bool:
+        """Sound, and no saved tensor holds a NaN or an infinity (as far as recorded)."""
+        return self.damaged is None and not self.nonfinite
+
+
+def _unhealthy(info: CheckpointInfo, accept: Callable[[CheckpointInfo], bool] | None) -> str:
+    """Why ``info`` is not fit to resume from ("" when it is)."""
+    if info.nonfinite:
+        keys = ", ".join(repr(k) for k in info.nonfinite[:5])
+        more = f" and {len(info.nonfinite) - 5} more" if len(info.nonfinite) > 5 else ""
+        return f"non-finite values (NaN or infinity) in {keys}{more}"
+    if accept is not None and not accept(info):
+        return f"metrics {dict(info.metrics)} that accept= rejected"
+    return ""
 
 
 def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] | None:
@@ -170,6 +192,7 @@ class CheckpointManager:
         return CheckpointInfo(
             step=int(m.group(1)), path=sub.url, time=datetime.fromtimestamp(man.created, tz=timezone.utc),
             size=man.own_bytes(), world_size=man.world_size, referenced=man.referenced_bytes(),
+            nonfinite=None if man.nonfinite is None else tuple(man.nonfinite), metrics=dict(man.metrics),
         )
 
     def list(self) -> list[CheckpointInfo]:
@@ -236,11 +259,17 @@ class CheckpointManager:
         return bool(self.list())
 
     # -- save -----------------------------------------------------------------------
-    def save(self, state: object, step: int, *, blocking: bool = True, overlap: bool = False) -> SaveHandle | None:
+    def save(self, state: object, step: int, *, blocking: bool = True, overlap: bool = False,
+             metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Save ``state`` as step ``step``. Collective. After the commit, ``latest``
         points at it and retention runs (rank 0), deleting only committed checkpoints
         the policy does not keep (never the new one nor the one restored from) and
         leftovers of saves that never committed.
+
+        The checkpoint records which of its tensors hold a NaN or an infinity (found
+        while their bytes are checksummed) and ``metrics`` (rank 0's, e.g.
+        ``{"loss": 2.31}``): :meth:`restore` passes over an unhealthy step, and
+        ``shardpoint ls`` shows both. A save with non-finite values still commits.
 
         With ``blocking=False`` returns a handle (see :func:`shardpoint.save`, and its
         ``overlap``); call :meth:`wait` before the process group is torn down."""
@@ -255,7 +284,7 @@ class CheckpointManager:
             raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
         session = self._tracker.begin(name) if self._tracker is not None else None
         options = SaveOptions(overwrite=True, on_commit=point_latest, after_commit=lambda: self._retain(newest=step),
-                              incremental=session)
+                              incremental=session, metrics=metrics)
         try:
             handle = save_state(Comm(self.process_group, self.timeout), target, state, options,
                                 blocking=blocking, overlap=overlap)
@@ -334,17 +363,28 @@ class CheckpointManager:
         exclude: builtins.list[str] | str | None = None,
         strict: bool = True,
         fallback: bool = False,
+        accept: Callable[[CheckpointInfo], bool] | None = None,
     ) -> LoadReport | None:
-        """Load the latest committed checkpoint (or ``step``) into ``state`` in place.
-        Collective. Returns None, touching nothing, when there is no checkpoint (and
-        raises :class:`CheckpointNotFoundError` when an explicit ``step`` is absent).
-        The report's ``step`` says which step was loaded. Waits for an asynchronous
-        save in flight first, so that it is found (its error stays for :meth:`wait`).
+        """Load the latest healthy committed checkpoint (or ``step``) into ``state`` in
+        place. Collective. Returns None, touching nothing, when there is no checkpoint
+        (and raises :class:`CheckpointNotFoundError` when an explicit ``step`` is absent).
+        The report's ``step`` says which step was loaded, and ``passed_over`` which
+        newer steps were not, and why. Waits for an asynchronous save in flight first,
+        so that it is found (its error stays for :meth:`wait`).
+
+        A checkpoint whose saved tensors hold a NaN or an infinity (recorded when it
+        was saved) is passed over with a warning naming the step and its keys, and the
+        newest healthy one before it is restored; so is one that ``accept`` rejects.
+        An explicit ``step`` is loaded as asked, healthy or not (with a warning).
 
         Args:
             fallback: when ``latest`` or the manifest of the checkpoint to resume from
                 is damaged, load the newest sound checkpoint before it (any sound one
                 when ``latest`` itself is damaged) with a warning, instead of raising.
+            accept: a predicate over a candidate's :class:`CheckpointInfo` (its
+                ``metrics``, say ``lambda i: i.metrics.get("loss", 0) < 10``): a step it
+                rejects is passed over like an unhealthy one. It must decide the same on
+                every rank (the metrics it sees are the same everywhere).
 
         Raises:
             CorruptCheckpointError: (without ``fallback``) ``latest`` or the manifest of
@@ -363,6 +403,7 @@ class CheckpointManager:
                 info = self._fallback(e)
             if info is None:
                 return None
+            info, passed = self._healthy_from(info, accept)
         else:
             info = self._info(self.step_dir(step))
             if info is None:
@@ -372,11 +413,36 @@ class CheckpointManager:
                 )
             if info.damaged:
                 raise CorruptCheckpointError(f"step {step} is damaged: {info.damaged}")
+            passed = {}
+            why = _unhealthy(info, None)
+            if why:
+                warnings.warn(f"shardpoint: restoring step {step} as asked, although it holds {why}", stacklevel=2)
         report = load(state, self.storage.child(self.step_dir(info.step)), only=only, exclude=exclude, strict=strict,
                       process_group=self.process_group, timeout=self.timeout)
         report.step = info.step
+        report.passed_over = passed
         self._restored = info.step
         return report
+
+    def _healthy_from(self, newest: CheckpointInfo,
+                      accept: Callable[[CheckpointInfo], bool] | None) -> tuple[CheckpointInfo, dict[int, str]]:
+        """The newest healthy, accepted, sound checkpoint at or before ``newest``, and
+        the steps passed over on the way with why (warned, newest first)."""
+        passed: dict[int, str] = {}
+        older = [i for i in self.list() if i.step < newest.step and i.damaged is None]
+        for info in [newest, *reversed(older)]:
+            why = _unhealthy(info, accept)
+            if not why:
+                break
+            passed[info.step] = why
+            warnings.warn(f"shardpoint: not restoring step {info.step} under {self.root}: it holds {why}; "
+                          "trying the step before it (restore(state, step=N) loads a step as it is)", stacklevel=3)
+        else:
+            detail = "; ".join(f"step {s}: {w}" for s, w in passed.items())
+            raise ShardpointError(
+                f"no checkpoint under {self.root} is fit to resume from ({detail}). Load one as it is with "
+                "restore(state, step=N), or start from scratch")
+        return info, passed
 
     def _fallback(self, error: CorruptCheckpointError) -> CheckpointInfo:
         """The newest sound checkpoint older than the damaged one to resume from

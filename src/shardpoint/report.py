@@ -27,6 +27,8 @@ class LoadReport:
             ``"derived"`` (a new rank, seeded from the base seed) or ``"not in checkpoint"``.
         step: the step, when the load came from a :class:`CheckpointManager`.
         world_size: the number of ranks that saved the checkpoint.
+        passed_over: steps :meth:`CheckpointManager.restore` did not restore, newest
+            first, each with why (non-finite values, a rejected metric).
     """
 
     loaded: list[str] = field(default_factory=list)
@@ -39,6 +41,7 @@ class LoadReport:
     step: int | None = None
     world_size: int | None = None
     bytes_read: int = 0
+    passed_over: dict[int, str] = field(default_factory=dict)
 
     def sort(self) -> LoadReport:
         for name in _LISTS:

@@ -2,6 +2,8 @@
 
 :data:`PROCESS` is the only mutable state shardpoint holds between calls:
 
+* ``channels``: each process group's checkpoint channel: its call sequence and its
+  own gloo groups (:mod:`shardpoint.collective`);
 * ``plans``: rank 0's last save plan of each process group (the coordinator reuses
   it when every rank's layout is unchanged);
 * ``assignments``: this rank's last assignment in each process group (it sends the
@@ -14,15 +16,14 @@ Its lifecycle:
 
 * first use: created empty at import; buffers are allocated by the first save
   that needs them and kept;
-* ``fork``: a child (a DataLoader worker) forgets the parent's save in flight and
-  its plans (:meth:`Process.forget_parent`): they belong to the parent, whose gloo
-  threads the child does not have;
+* ``fork``: a child (a DataLoader worker) forgets the parent's channels, save in
+  flight and plans (:meth:`Process.forget_parent`): they belong to the parent, whose
+  gloo threads the child does not have;
 * exit: the save in flight gets a grace period to commit before the interpreter
   winds down (:mod:`shardpoint.saving.handle` registers that hook), then the
   checkpoint channels are released (:mod:`shardpoint.collective`).
 
-The process group channels themselves live in :mod:`shardpoint.collective`, the
-only module that talks to torch.distributed.
+Test seams and counters are :attr:`Process.seams`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,22 @@ class Counters:
 
 
 @dataclass(slots=True)
+class Traffic:
+    """Bytes this process received through the checkpoint group's collectives, and
+    how many collectives it ran (the scale tests and benchmark read it)."""
+
+    received: int = 0
+    ops: int = 0
+
+    def reset(self) -> None:
+        self.received = self.ops = 0
+
+    def add(self, nbytes: int) -> None:
+        self.received += int(nbytes)
+        self.ops += 1
+
+
+@dataclass(slots=True)
 class Seams:
     """The points where tests hold, slow or kill a save deterministically, and the
     counters benchmarks read. Production code only calls them; nothing here changes
@@ -62,7 +79,12 @@ class Seams:
     #: Route CPU tensors through the blocking save's pool too (``SHARDPOINT_FORCE_POOL=1``):
     #: the path device tensors take, minus the device.
     force_pool: bool = os.environ.get("SHARDPOINT_FORCE_POOL", "") == "1"
+    #: Record which floating-point chunks hold NaN or infinity while they are written
+    #: (off only to measure what the check costs: benchmarks/health_bench.py).
+    health_check: bool = True
     counters: Counters = field(default_factory=Counters)
+    #: Counted at the Comm layer for every JSON collective and ``any_true``.
+    traffic: Traffic = field(default_factory=Traffic)
 
     def fire_phase(self, name: str) -> None:
         if self.phase is not None:
@@ -81,6 +103,10 @@ class Process:
     types: each value is typed where it is made and narrowed (``isinstance``)
     where it is read (:mod:`shardpoint.saving`)."""
 
+    #: The checkpoint channel of each process group (collective._Channel), by its tag.
+    channels: dict[str, object] = field(default_factory=dict)
+    #: Guards ``channels`` and the making of their gloo groups.
+    channel_lock: threading.Lock = field(default_factory=threading.Lock)
     plans: dict[str, object] = field(default_factory=dict)  # process group tag -> saving.coordinator.CachedPlan
     assignments: dict[str, object] = field(default_factory=dict)  # tag -> saving.records.HeldAssignment
     in_flight: object | None = None  # saving.handle.SaveHandle
@@ -101,7 +127,11 @@ class Process:
             self.assignments.pop(tag, None)
 
     def forget_parent(self) -> None:
-        """In a forked child: the parent's save in flight and plans are not ours."""
+        """In a forked child (a DataLoader worker): the parent's channels, save in
+        flight and plans are not ours. The child never uses, closes or destroys the
+        inherited gloo groups (it does not have their threads)."""
+        self.channels.clear()
+        self.channel_lock = threading.Lock()  # another thread may have held it at the fork
         self.in_flight = None
         self.forget_plans()
 

@@ -148,3 +148,51 @@ def test_ranks_with_different_paths(tmp_path) -> None:  # type: ignore[no-untype
         assert f"rank 0: save('{tmp_path}/a')" in res["msg"] and f"rank 2: save('{tmp_path}/b')" in res["msg"]
         assert res["ranks2"] == [3] and "rank 3: load(" in res["msg2"]
         assert not res["a"] and not res["b"]
+
+
+def tagged_case(rank: int, world: int, tmp: str) -> dict:
+    """Tagged saves (a trainer's): rank 0 alone saves ``a`` while rank 1 goes straight
+    on to the save of ``b`` that every rank makes (nothing holds it back, as after
+    Lightning's ``if trainer.is_global_zero: trainer.save_checkpoint(a)``). Rank 0 is
+    told rank 1 is absent and is refused at once when it retries ``a``; the save of
+    ``b`` meets and commits; after it, a save of ``a`` by every rank meets anew. Only
+    the abandoned slot's keys stay in the store."""
+    import torch.distributed as dist
+
+    from shardpoint.collective import Comm
+
+    store = dist.distributed_c10d._get_default_store()
+    shardpoint.save(state(rank), f"{tmp}/warm", timeout=LONG, tag="step 0")  # makes the lanes
+    dist.barrier()
+    keys = store.num_keys()
+    out: dict = {"misuse": None, "again": None}
+    if rank == 0:
+        with pytest.raises(CollectiveMismatchError) as ei:
+            shardpoint.save(state(rank), f"{tmp}/a", timeout=SHORT, tag="step 2")
+        out["misuse"] = {"ranks": ei.value.ranks, "msg": str(ei.value)}
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveMismatchError) as again:  # the same call: refused at once
+            shardpoint.save(state(rank), f"{tmp}/a", timeout=LONG, tag="step 2")
+        out["again"] = {"ranks": again.value.ranks, "after": time.monotonic() - t0}
+    shardpoint.save(state(rank), f"{tmp}/b", timeout=LONG, tag="step 2")
+    out["a_before"] = os.path.exists(f"{tmp}/a/manifest.json")
+    dist.barrier()
+    shardpoint.save(state(rank), f"{tmp}/a", timeout=LONG, tag="step 2")  # made by every rank now: meets anew
+    check_next_save_works(rank, f"{tmp}/next")
+    seq = Comm().channel.seq  # type: ignore[union-attr]
+    dist.barrier()
+    out.update(keys_added=store.num_keys() - keys, seq=seq, a=os.path.exists(f"{tmp}/a/manifest.json"),
+               b=os.path.exists(f"{tmp}/b/manifest.json"))
+    return out
+
+
+def test_a_tagged_save_only_rank_0_makes_never_meets_the_next_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    res = run_ranks(tagged_case, 2, str(tmp_path), timeout=180)
+    m = res[0]["misuse"]
+    assert m["ranks"] == [1] and "did not call it" in m["msg"] and "[step 2]" in m["msg"], m
+    assert res[1]["misuse"] is None
+    assert res[0]["again"]["ranks"] == [1] and res[0]["again"]["after"] < SHORT, res[0]  # refused at once
+    for r in res:
+        assert r["b"] and r["a"] and not r["a_before"], r
+        assert r["seq"] == res[0]["seq"], res  # the call numbers stay in step
+        assert r["keys_added"] <= 4, r  # at most the abandoned slot's n, who, go, out

@@ -1,5 +1,5 @@
 """Save coordination stays flat in the world size: counted at the Comm layer
-(``shardpoint.collective.traffic``: bytes that arrive in this process through the
+(``shardpoint.runtime.PROCESS.seams.traffic``: bytes that arrive in this process through the
 checkpoint group's collectives), with real gloo ranks.
 
 A non-coordinator rank sends its description to rank 0 and receives only its own
@@ -37,7 +37,9 @@ def _state(rank: int, world: int, fill: float, rows: int = ROWS) -> dict:
 
 def _save_three_times(rank: int, world: int, root: str) -> dict:
     import shardpoint
-    from shardpoint.collective import traffic
+    from shardpoint.runtime import PROCESS
+
+    traffic = PROCESS.seams.traffic
     from shardpoint.runtime import PROCESS
 
     def plan_id() -> str:  # the id of the plan this rank's assignment came from

@@ -250,3 +250,24 @@ def test_workers_prefetching_ahead_do_not_make_a_resume_skip() -> None:
     # rank 0 took the first half of each of the first 5 global batches
     for k in range(5):
         assert set(got[k]) <= set(expected[k]) and len(got[k]) == gbs // 2
+
+
+def test_one_of_several_processes_without_a_process_group_refuses_instead_of_guessing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a launcher (WORLD_SIZE=2) before the process group exists, the sampler
+    does not take rank 0 of 1: built, it waits; iterated, it refuses saying how to
+    build it. Given rank and world size, it needs no process group."""
+    from shardpoint import ShardpointError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    s = ElasticBatchSampler(20, 4, 2)  # building it is fine: nothing is decided yet
+    for read in (lambda: iter(s), lambda: s.rank, lambda: s.accumulation_steps):
+        with pytest.raises(ShardpointError, match="WORLD_SIZE=2.*rank= and world_size=") as ei:
+            read()
+        assert isinstance(ei.value, ValueError)
+    assert "rank=None" in repr(s)
+    given = ElasticBatchSampler(20, 4, 2, rank=1, world_size=2)
+    assert (given.rank, given.world_size, given.accumulation_steps) == (1, 2, 1)
+    assert next(iter(given)) == given.global_batch()[2:4]
+    with pytest.raises(ValueError, match="Nearest valid settings"):  # a given world size is checked when built
+        ElasticBatchSampler(20, 6, 2, world_size=2, rank=0)

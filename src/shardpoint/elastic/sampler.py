@@ -4,11 +4,14 @@ resume on any number of ranks and still see exactly the samples it would have se
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..collective import default_rank_and_world
+from ..errors import ShardpointError
 from .batch import accumulation_steps, advance, epoch_order, global_batch
 
 __all__ = ["ElasticBatchSampler"]
@@ -16,15 +19,8 @@ __all__ = ["ElasticBatchSampler"]
 _STATE_VERSION = 1
 
 
-def _dist_default(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    on = dist.is_available() and dist.is_initialized()
-    if world_size is None:
-        world_size = dist.get_world_size() if on else 1
-    if rank is None:
-        rank = dist.get_rank() if on else 0
-    return rank, world_size
+class _UnknownPlacement(ShardpointError, ValueError):
+    """The sampler's rank and world size are not known yet (see :meth:`ElasticBatchSampler._placement`)."""
 
 
 class ElasticBatchSampler:
@@ -54,8 +50,13 @@ class ElasticBatchSampler:
         global_batch_size: samples per optimizer step, summed over all ranks and
             micro-batches.
         micro_batch_size: samples per forward/backward on one rank.
-        rank: this rank; defaults to ``torch.distributed``'s, or 0.
-        world_size: number of ranks; defaults to ``torch.distributed``'s, or 1.
+        rank: this rank; by default the rank in the default process group, read
+            when iteration starts (so the sampler may be built before the process
+            group exists, as a Lightning script does before ``Trainer.fit``), or 0
+            without torch.distributed.
+        world_size: number of ranks; by default the default process group's size,
+            read when iteration starts, or 1 without torch.distributed. The
+            accumulation steps follow from it, so they are known from then on too.
         seed: seed of the epoch permutations (restored from a checkpoint).
         shuffle: draw a permutation per epoch; ``False`` visits ``0..n-1`` in order.
         drop_last: ``True`` (default): when fewer than ``global_batch_size`` samples
@@ -70,7 +71,12 @@ class ElasticBatchSampler:
         ValueError: ``global_batch_size`` is not a multiple of
             ``micro_batch_size * world_size`` (the message lists the nearest valid
             settings), or the dataset is smaller than one global batch with
-            ``drop_last``.
+            ``drop_last``. Without ``world_size``, the check that needs the world
+            size runs when it is first known (at iteration). A sampler of a process
+            that its launcher started as one of several (``WORLD_SIZE`` > 1) refuses
+            to iterate, or to tell its ``rank``, ``world_size`` or
+            ``accumulation_steps``, while torch.distributed is not initialised:
+            it would take rank 0 of 1 and every rank would train on the same samples.
     """
 
     shardpoint_global_state = True
@@ -87,12 +93,11 @@ class ElasticBatchSampler:
         shuffle: bool = True,
         drop_last: bool = True,
     ) -> None:
-        rank, world_size = _dist_default(rank, world_size)
-        #: Micro-batches per rank per optimizer step.
-        self.accumulation_steps = accumulation_steps(global_batch_size, micro_batch_size, world_size)
+        # what the world size does not change is checked now; the rest once it is known
+        accumulation_steps(global_batch_size, micro_batch_size, 1 if world_size is None else world_size)
         if isinstance(dataset_len, bool) or not isinstance(dataset_len, int) or dataset_len <= 0:
             raise ValueError(f"dataset_len must be a positive int, got {dataset_len!r}")
-        if not 0 <= rank < world_size:
+        if rank is not None and (rank < 0 or (world_size is not None and rank >= world_size)):
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if drop_last and dataset_len < global_batch_size:
             raise ValueError(
@@ -102,8 +107,8 @@ class ElasticBatchSampler:
         self.dataset_len = dataset_len
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
-        self.rank = rank
-        self.world_size = world_size
+        self._rank_arg = rank  # None: the default process group's, read when needed
+        self._world_arg = world_size
         self.shuffle = shuffle
         self.drop_last = drop_last
         self._seed = seed
@@ -112,6 +117,55 @@ class ElasticBatchSampler:
         self._step = 0
         self._samples = 0
         self._orders: dict[int, torch.Tensor] = {}
+
+    # -- placement --------------------------------------------------------------
+
+    def _placement(self) -> tuple[int, int]:
+        """This rank and the world size: the caller's, else the default process
+        group's now (the sampler may have been built before the group existed), else
+        0 of 1 in a process that is alone. Refuses rather than guess when the
+        launcher started this process as one of several but no group exists yet."""
+        rank, world = self._rank_arg, self._world_arg
+        if rank is None or world is None:
+            found = default_rank_and_world()
+            if found is None:
+                launched = os.environ.get("WORLD_SIZE", "1")
+                if launched.isdigit() and int(launched) > 1:
+                    raise _UnknownPlacement(
+                        f"ElasticBatchSampler(dataset_len={self.dataset_len}, global_batch_size="
+                        f"{self.global_batch_size}) does not know its rank yet: this process is one of "
+                        f"WORLD_SIZE={launched} (set by the launcher) but torch.distributed is not initialised, "
+                        "and as rank 0 of 1 every rank would train on the same samples. Iterate it only after "
+                        "the process group exists (Lightning's Trainer.fit and Accelerator() create it), or "
+                        "build it with rank= and world_size="
+                    )
+                found = (0, 1)
+            rank = found[0] if rank is None else rank
+            world = found[1] if world is None else world
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world_size {world}")
+        return rank, world
+
+    @property
+    def rank(self) -> int:
+        """This rank (see ``rank`` in the class docstring)."""
+        return self._placement()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks sharing each global batch."""
+        return self._placement()[1]
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per rank per optimizer step, on this world size.
+
+        Raises:
+            ValueError: ``global_batch_size`` is not a multiple of
+                ``micro_batch_size * world_size``; the message lists the nearest
+                valid settings.
+        """
+        return accumulation_steps(self.global_batch_size, self.micro_batch_size, self._placement()[1])
 
     # -- position ---------------------------------------------------------------
 
@@ -170,24 +224,27 @@ class ElasticBatchSampler:
         )
         return batch.tolist()
 
-    def _rank_micro_batches(self, epoch: int, offset: int) -> list[list[int]]:
-        share = self.global_batch_size // self.world_size
+    def _rank_micro_batches(self, epoch: int, offset: int, rank: int, world: int) -> list[list[int]]:
+        share = self.global_batch_size // world
         batch = global_batch(
             self.dataset_len, epoch, offset, self.global_batch_size, seed=self._seed, shuffle=self.shuffle,
             order=self._order,
         )
-        mine = batch[self.rank * share : (self.rank + 1) * share].tolist()
+        mine = batch[rank * share : (rank + 1) * share].tolist()
         m = self.micro_batch_size
         return [mine[i : i + m] for i in range(0, share, m)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        # the position is read now, when the iterator is made, not at its first next()
-        return self._walk(self._epoch, self._offset)
+        # the position and the placement are read now, when the iterator is made, not
+        # at its first next(); the placement is checked against the batch sizes here
+        rank, world = self._placement()
+        accumulation_steps(self.global_batch_size, self.micro_batch_size, world)
+        return self._walk(self._epoch, self._offset, rank, world)
 
-    def _walk(self, epoch: int, offset: int) -> Iterator[list[int]]:
+    def _walk(self, epoch: int, offset: int, rank: int, world: int) -> Iterator[list[int]]:
         start = epoch
         while epoch == start:
-            yield from self._rank_micro_batches(epoch, offset)
+            yield from self._rank_micro_batches(epoch, offset, rank, world)
             epoch, offset = advance(
                 self.dataset_len, epoch, offset, self.global_batch_size, drop_last=self.drop_last
             )
@@ -249,8 +306,14 @@ class ElasticBatchSampler:
             self._epoch, self._offset = self._epoch + 1, 0  # a larger global batch no longer fits
 
     def __repr__(self) -> str:
+        rank: int | None
+        world: int | None
+        try:
+            rank, world = self._placement()
+        except ValueError:  # not known yet: say so rather than fail in a repr
+            rank, world = self._rank_arg, self._world_arg
         return (
             f"ElasticBatchSampler(dataset_len={self.dataset_len}, global_batch_size={self.global_batch_size}, "
-            f"micro_batch_size={self.micro_batch_size}, rank={self.rank}, world_size={self.world_size}, "
+            f"micro_batch_size={self.micro_batch_size}, rank={rank}, world_size={world}, "
             f"epoch={self._epoch}, offset={self._offset}, step={self._step})"
         )

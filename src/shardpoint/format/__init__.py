@@ -1,14 +1,14 @@
 """The on-disk format: a JSON manifest (``manifest.json``) and safetensors data
 files. See ``docs/format.md``."""
 
-from .datafile import DTYPES, dtype_from_name, dtype_name, write_data_file
+from .datafile import DTYPES, data_header, dtype_from_name, dtype_name
 from .manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, decode_value, encode_value
 
 __all__ = [
     "DTYPES",
     "dtype_from_name",
     "dtype_name",
-    "write_data_file",
+    "data_header",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..storage.base import Storage
 
 try:  # the same CRC-32 as zlib's, about 5x faster (carry-less multiply): checksums stop costing a save its throughput
     from zlib_ng.zlib_ng import crc32
@@ -90,57 +88,17 @@ def block_crcs(view: memoryview, block: int = CRC_BLOCK) -> list[int]:
     return [crc32(view[i : i + block]) for i in range(0, len(view), block)]
 
 
-def write_data_file(storage: Storage, name: str, tensors: Sequence[tuple[str, Any]]) -> list[WrittenChunk]:
-    """Write ``tensors`` (name, contiguous CPU tensor or a source with ``dtype``,
-    ``shape``, ``numel()``, ``element_size()`` and ``pieces()``, the bytes in order) as
-    one safetensors file.
-
-    The header is computed first from shapes alone, then each tensor's bytes are
-    streamed straight from its memory (or its source's pieces) with no intermediate
-    copy, checksummed block by block as they go. The file is durable when this returns.
-    """
+def data_header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) -> bytes:
+    """The safetensors header of a data file holding ``tensors`` (name, dtype, shape,
+    byte length), in order, with no gap: its 8-byte length and its JSON, padded to a
+    multiple of 8. A dtype safetensors lacks is written as raw bytes (``U8`` of the
+    byte length); the manifest keeps the real dtype."""
     header: dict[str, object] = {"__metadata__": {"format": "shardpoint"}}
     pos = 0
-    lengths = []
-    for tname, t in tensors:
-        n = t.numel() * t.element_size()
-        code = DTYPES.get(dtype_name(t.dtype))
-        shape = list(t.shape) if code else [n]
-        header[tname] = {"dtype": code or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
-        lengths.append(n)
+    for tname, dtype, shape, n in tensors:
+        code = DTYPES.get(dtype_name(dtype))
+        header[tname] = {"dtype": code or "U8", "shape": list(shape) if code else [n], "data_offsets": [pos, pos + n]}
         pos += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    base = 8 + len(hb)
-    crcs: list[list[int]] = []
-
-    def parts() -> Iterator[memoryview | bytes]:
-        yield struct.pack("<Q", len(hb)) + hb
-        for (tname, t), n in zip(tensors, lengths):
-            these: list[int] = []
-            crc, filled, seen = 0, 0, 0
-            for view in (t.pieces() if hasattr(t, "pieces") else (tensor_bytes(t),)):
-                i = 0
-                while i < len(view):  # pieces cut at CRC block boundaries
-                    piece = view[i : i + CRC_BLOCK - filled]
-                    crc = crc32(piece, crc)
-                    filled += len(piece)
-                    i += len(piece)
-                    yield piece
-                    if filled == CRC_BLOCK:
-                        these.append(crc)
-                        crc, filled = 0, 0
-                seen += len(view)
-            if seen != n:  # pragma: no cover - a source that lied about its size
-                raise ValueError(f"{tname}: {seen} bytes streamed, {n} expected")
-            if filled or not these:
-                these.append(crc)
-            crcs.append(these)
-
-    storage.write_file(name, parts())
-    out = []
-    off = base
-    for n, c in zip(lengths, crcs):
-        out.append(WrittenChunk(off, n, c))
-        off += n
-    return out
+    return struct.pack("<Q", len(hb)) + hb

@@ -125,6 +125,11 @@ class Manifest:
     #: Data files of sibling checkpoints whose bytes this one uses (incremental saves,
     #: :mod:`.refs`): ``"../<folder>/<file>" -> {"size": bytes}``; empty for a self-contained checkpoint.
     refs: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The keys whose saved tensors hold a NaN or an infinity (found while their bytes
+    #: were checksummed). None when the saver did not record health (older checkpoints).
+    nonfinite: list[str] | None = None
+    #: The caller's numbers for this step (``CheckpointManager.save(..., metrics=)``).
+    metrics: dict[str, float] = field(default_factory=dict)
     _by_rank: dict[int, str] | None = field(default=None, repr=False, compare=False)
 
     def file_of_rank(self, rank: int) -> str | None:
@@ -165,6 +170,9 @@ class Manifest:
         }
         if self.refs:
             doc["refs"] = self.refs
+        if self.nonfinite is not None:
+            doc["health"] = {"nonfinite": self.nonfinite,
+                             "metrics": {k: _number_out(v) for k, v in sorted(self.metrics.items())}}
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
@@ -244,12 +252,42 @@ class Manifest:
             split_ref(name, where=where)
             if not isinstance(info, dict) or not _is_count(info.get("size")) or not _is_count(info.get("bytes", 0)):
                 raise bad(f"refs[{name!r}] has no valid 'size' (and optional 'bytes')")
+        nonfinite, metrics = _parse_health(doc.get("health"), bad)
         tree = _parse_tree(doc, files, block, bad, ws, depth=0, version=version)
         return cls(
             world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
             files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
-            sealed=sealed, refs=refs,
+            sealed=sealed, refs=refs, nonfinite=nonfinite, metrics=metrics,
         )
+
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _number_out(v: float) -> float | str:
+    """A metric as JSON: a finite number as itself, NaN and infinities by name."""
+    return v if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
+
+
+def _parse_health(h: Any, bad: Any) -> tuple[list[str] | None, dict[str, float]]:
+    if h is None:
+        return None, {}
+    if not isinstance(h, dict):
+        raise bad("'health' is not an object")
+    keys, metrics = h.get("nonfinite", []), h.get("metrics", {})
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise bad("'health.nonfinite' must be a list of keys")
+    if not isinstance(metrics, dict):
+        raise bad("'health.metrics' is not an object")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(v, str) and v in _NON_FINITE:
+            out[k] = _NON_FINITE[v]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e308:
+            out[k] = float(v)
+        else:
+            raise bad(f"'health.metrics[{k!r}]' is not a number")
+    return keys, out
 
 
 def _is_count(x: Any) -> bool:

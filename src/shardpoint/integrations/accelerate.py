@@ -53,7 +53,7 @@ from .. import api
 from ..errors import ShardpointError
 from ..report import LoadReport
 from ..state import TrainState
-from ._trainer import apply_rng, arrive, capture_rng
+from ._trainer import apply_rng, capture_rng
 
 __all__ = ["save_state", "load_state", "ResumableLoader"]
 
@@ -164,8 +164,9 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str], *, rng: boo
         timeout: how long ranks wait for each other before the call is abandoned.
     """
     path = os.fspath(output_dir)
-    arrive("save", path, "", timeout)
-    api.save(_train_state(accelerator, rng), path, overwrite=overwrite, timeout=timeout)
+    # ranks meet by path (the tag), not by call order: a save only the main process makes is
+    # abandoned naming the others, and never meets the next save of the whole job
+    api.save(_train_state(accelerator, rng), path, overwrite=overwrite, timeout=timeout, tag="accelerate save_state")
 
 
 def load_state(accelerator: Any, input_dir: str | os.PathLike[str], *, rng: bool | int = True,
@@ -180,7 +181,6 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str], *, rng: bool
         strict: raise when this job holds state the checkpoint lacks.
     """
     path = os.fspath(input_dir)
-    arrive("load", path, "", timeout)
     state = _train_state(accelerator, rng)
     report = api.load(state, path, exclude=exclude, strict=strict, timeout=timeout)
     if state.rng is not False and report.per_rank.get("rng/streams") in ("restored", "derived"):

@@ -39,6 +39,7 @@ Lightning is imported when this module is: ``import shardpoint`` never needs it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -57,7 +58,7 @@ from .. import api
 from ..elastic import ElasticBatchSampler
 from ..errors import ShardpointError
 from ..state import TrainState
-from ._trainer import apply_rng, arrive, capture_rng
+from ._trainer import apply_rng, capture_rng, step_tag
 
 __all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy"]
 
@@ -130,19 +131,19 @@ class ShardpointStrategyMixin:
         ``Trainer.save_checkpoint`` does; one that does not is named in a
         :class:`~shardpoint.CollectiveMismatchError` on the others."""
         path = os.fspath(filepath)
-        arrive("save", path, checkpoint.get("global_step", ""), self.checkpoint_timeout)
         rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_PARTS}
         trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
         if trainer is not None:  # Lightning's batch counters count micro-batches: record how many make a step
             rest["shardpoint"] = {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
         state = self._train_state("optimizer_states" in checkpoint, rest if self.is_global_zero else {})  # type: ignore[attr-defined]
-        api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options)
+        # the save's one arrival, keyed by the step: a save only rank 0 makes never meets the next one
+        api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options,
+                 tag=step_tag(checkpoint.get("global_step", "")))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load on every rank (collective), in place, from a checkpoint saved on any
         number of ranks; returns Lightning's full checkpoint dict."""
         path = os.fspath(checkpoint_path)
-        arrive("load", path, "", self.checkpoint_timeout)
         if os.path.isfile(path):
             raise ShardpointError(
                 f"{path} is a file, not a shardpoint checkpoint (a directory with a manifest.json): it was written by "
@@ -261,34 +262,28 @@ class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStra
         return {}
 
 
-_RESUMABLE: dict[type, type] = {}
-
-
+@functools.cache  # one subclass per DataLoader class, made once
 def _resumable(cls: type) -> type:
     """A subclass of a DataLoader class whose state is its ElasticBatchSampler's
     position, so Lightning saves it with its loops and restores it before making the
     iterator, and whose length is a whole epoch's (Lightning counts the batches of a
     resumed epoch from its own progress, as for any stateful loader)."""
-    sub = _RESUMABLE.get(cls)
-    if sub is None:
 
-        def state_dict(self: Any) -> dict[str, Any]:
-            return {"elastic_batch_sampler": self.batch_sampler.state_dict()}
+    def state_dict(self: Any) -> dict[str, Any]:
+        return {"elastic_batch_sampler": self.batch_sampler.state_dict()}
 
-        def load_state_dict(self: Any, state: dict[str, Any]) -> None:
-            self.batch_sampler.load_state_dict(state["elastic_batch_sampler"])
+    def load_state_dict(self: Any, state: dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state["elastic_batch_sampler"])
 
-        def __len__(self: Any) -> int:  # a whole epoch, wherever the position is (Lightning counts the rest)
-            s = self.batch_sampler
-            steps = s.dataset_len // s.global_batch_size if s.drop_last else -(-s.dataset_len // s.global_batch_size)
-            return steps * s.accumulation_steps
+    def __len__(self: Any) -> int:  # a whole epoch, wherever the position is (Lightning counts the rest)
+        s = self.batch_sampler
+        steps = s.dataset_len // s.global_batch_size if s.drop_last else -(-s.dataset_len // s.global_batch_size)
+        return steps * s.accumulation_steps
 
-        sub = type(
-            f"Resumable{cls.__name__}", (cls,),
-            {"state_dict": state_dict, "load_state_dict": load_state_dict, "__len__": __len__},
-        )
-        _RESUMABLE[cls] = sub
-    return sub
+    return type(
+        f"Resumable{cls.__name__}", (cls,),
+        {"state_dict": state_dict, "load_state_dict": load_state_dict, "__len__": __len__},
+    )
 
 
 def _elastic_samplers(loaders: Any) -> Iterator[ElasticBatchSampler]:

@@ -59,9 +59,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .. import api
+from ..collective import Comm
 from ..errors import ShardpointError
 from ..state import TrainState
-from ._trainer import apply_rng, arrive, capture_rng
+from ..storage import storage_for
+from ._trainer import Unsaveable, apply_rng, capture_rng, step_tag
 
 __all__ = ["ShardpointTrainer", "last_committed_checkpoint"]
 
@@ -160,8 +162,23 @@ class ShardpointTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        # before anything collective (store_flos all-gathers): a rank-0-only call ends here
-        arrive("save", output_dir, step, self.checkpoint_timeout)
+        # the save's one arrival, before anything collective (store_flos all-gathers): a rank-0-only
+        # call ends here; api.save below takes this arrival instead of making its own
+        tag = step_tag(step)
+        Comm(None, self.checkpoint_timeout, arrival_tag=tag).arrive("save", storage_for(output_dir).url, hold=True)
+        state: TrainState | Unsaveable
+        try:
+            state = self._sp_prepare_save(trial, step, output_dir, run_dir)
+        except Exception as e:  # noqa: BLE001 - fanned out by the save: the other ranks are waiting in it
+            state = Unsaveable(e)
+        api.save(state, output_dir, overwrite=True, timeout=self.checkpoint_timeout, tag=tag)
+        if self.args.should_save:
+            self._sp_rotate(run_dir, newest=output_dir)
+
+    def _sp_prepare_save(self, trial: Any, step: int, output_dir: str, run_dir: str) -> TrainState:
+        """What a save does once every rank arrived, before the core's save: the
+        Trainer's own bookkeeping (collective: the flos), HF's ``trainer_state.json``
+        (rank 0), and the state to save."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         if self.state.best_global_step:
@@ -189,11 +206,8 @@ class ShardpointTrainer(Trainer):
         extra: dict[str, Any] = {"data_position": position}
         if self.args.process_index == 0:
             extra["trainer_state"] = state_json
-        state = TrainState(model=self.model, rng=False, **extra) if self.args.save_only_model else \
+        return TrainState(model=self.model, rng=False, **extra) if self.args.save_only_model else \
             self._sp_state(**extra)
-        api.save(state, output_dir, overwrite=True, timeout=self.checkpoint_timeout)
-        if self.args.should_save:
-            self._sp_rotate(run_dir, newest=output_dir)
 
     def _sp_rotate(self, run_dir: str, newest: str) -> None:
         limit = self.args.save_total_limit
@@ -236,7 +250,6 @@ class ShardpointTrainer(Trainer):
                 "stock Trainer, or shardpoint.integrations.deepspeed"
             )
         path = os.fspath(resume_from_checkpoint)
-        arrive("load", path, "", self.checkpoint_timeout)
         target = TrainState(model=model if model is not None else self.model, rng=False, trainer_state="",
                             data_position={})
         api.load(target, path, only=["model", "extra"], exclude=self.checkpoint_exclude or None,

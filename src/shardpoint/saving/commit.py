@@ -12,7 +12,6 @@ checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ..collective import Comm, coordinate
@@ -23,14 +22,15 @@ from ..runtime import PROCESS
 from ..storage import Storage
 from .coordinator import Coordinator
 from .incremental import check_refs
-from .records import Planned, WriteStatus
+from .records import Planned, SaveOptions, WriteStatus
 
 
 def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, fname: str,
-           status: WriteStatus | None, error: BaseException | None, on_commit: Callable[[], None] | None) -> None:
+           status: WriteStatus | None, error: BaseException | None, options: SaveOptions) -> None:
     """The commit round (collective). Raises on every rank if any rank failed (its
     ``error``) or the commit did; a rank's own files are then removed, unless the
-    manifest naming them was written (a failure in ``on_commit``)."""
+    manifest naming them was written (a failure in ``options.on_commit``). The
+    manifest records the keys any rank found non-finite and rank 0's metrics."""
 
     def decide(statuses: list[Any]) -> list[None]:
         assert coord is not None
@@ -47,6 +47,8 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
                 r = manifest.refs.setdefault(ref, {"size": info["size"], "bytes": 0})
                 r["bytes"] += info["bytes"]
         check_refs(storage, manifest.refs)
+        manifest.nonfinite = sorted({k for st in records for k in st.nonfinite})
+        manifest.metrics = {str(k): float(v) for k, v in (options.metrics or {}).items()}
         PROCESS.seams.fire_phase("before_commit")
         storage.write_atomic(MANIFEST_NAME, manifest.to_bytes())
         PROCESS.seams.fire_phase("committed")
@@ -57,8 +59,8 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
                     storage.remove(f)
                 except Exception:  # noqa: BLE001 - the new checkpoint is committed; a leftover is harmless
                     pass
-        if on_commit is not None:
-            on_commit()
+        if options.on_commit is not None:
+            options.on_commit()
         return [None] * comm.world
 
     try:

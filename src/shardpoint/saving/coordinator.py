@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -30,15 +31,15 @@ from ..format.datafile import CRC_BLOCK, itemsize_of
 from ..format.manifest import Manifest, Tree
 from ..plan import ChunkTable, PlanError, choose_writers
 from ..runtime import PROCESS
-from .records import WriteStatus
+from .records import Encoded, RankLayout, RankValues, TensorMeta, TreeLayout, Wire, WriteStatus
 
 
-def layout_digest(layout: Any) -> str:
+def layout_digest(layout: object) -> str:
     """A digest that is equal exactly when two layouts (or structures) are."""
     return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
 
 
-def layout_message(layout: dict[str, Any], reference: str | None) -> tuple[str, dict[str, Any]]:
+def layout_message(layout: RankLayout, reference: str | None) -> tuple[str, Wire]:
     """Split a rank's layout into its structure (containers, tensor dtypes and global
     shapes, the order of its chunk keys, per-rank values: the same on most ranks) and
     its boxes (where its chunks lie: its own). Returns the layout's digest and the
@@ -73,13 +74,13 @@ def _unpack(s: str, what: str) -> np.ndarray:
                               "every rank must run the same shardpoint version") from None
 
 
-def _full_layout(structure: dict[str, Any], boxes: dict[str, Any], rank: int) -> dict[str, Any]:
+def _full_layout(structure: Wire, boxes: Wire, rank: int) -> RankLayout:
     return {"containers": structure["containers"], "tensors": structure["tensors"], "per_rank": structure["per_rank"],
             "chunks": {"key": structure["keys"], "off_flat": _unpack(boxes["off"], f"rank {rank}"),
                        "size_flat": _unpack(boxes["size"], f"rank {rank}")}}
 
 
-def _flat_boxes(m: dict[str, Any], name: str) -> Any:
+def _flat_boxes(m: TreeLayout, name: str) -> np.ndarray | Iterable[int]:
     """A rank's ``off`` or ``size`` values, chunk after chunk: flat as they arrive in a
     message, or flattened from the nested lists of a full description."""
     c = m["chunks"]
@@ -94,9 +95,9 @@ class Plan:
     whether it is a replica whose checksums are compared."""
 
     keys: list[str]
-    info: dict[str, dict[str, Any]]  # tensor key -> dtype/shape/numpy
+    info: dict[str, TensorMeta]  # tensor key -> dtype/shape/numpy
     containers: dict[str, str]
-    per_rank: list[dict[str, Any]]  # per rank: per-rank key -> its layout
+    per_rank: list[dict[str, TreeLayout]]  # per rank: per-rank key -> its layout
     row_start: np.ndarray  # (world + 1,) first global row of each rank
     table: ChunkTable
     shapes: np.ndarray  # (keys, table dims) global shape of each key, padded with 1
@@ -105,13 +106,13 @@ class Plan:
     check: np.ndarray  # bool: this row is a replica (non-empty): its checksums are compared
 
 
-def merge_structure(layouts_: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+def merge_structure(layouts_: list[RankLayout]) -> tuple[dict[str, TensorMeta], dict[str, str]]:
     """Every tensor's dtype and global shape, and every container's type, checked to
     agree between ranks. Raises naming the key and ranks."""
-    info: dict[str, dict[str, Any]] = {}
+    info: dict[str, TensorMeta] = {}
     first_holder: dict[str, int] = {}
     containers: dict[str, str] = {}
-    seen: list[dict[str, Any]] = []  # distinct per-rank tensor descriptions already merged
+    seen: list[dict[str, TensorMeta]] = []  # distinct per-rank tensor descriptions already merged
     for r, m in enumerate(layouts_):
         if m["containers"] != containers:
             for k, t in m["containers"].items():
@@ -123,18 +124,19 @@ def merge_structure(layouts_: list[dict[str, Any]]) -> tuple[dict[str, dict[str,
         if any(tensors is d or tensors == d for d in seen[-2:]):  # the common case: the same as a rank before
             continue
         seen.append(tensors)
-        for k, t in tensors.items():
-            prev = info.setdefault(k, t)
+        for k, meta in tensors.items():
+            prev = info.setdefault(k, meta)
             first_holder.setdefault(k, r)
-            if prev is not t and (prev["dtype"] != t["dtype"] or prev["shape"] != t["shape"]):
+            if prev is not meta and (prev["dtype"] != meta["dtype"] or prev["shape"] != meta["shape"]):
                 raise ShardpointError(
                     f"key {k!r} is a {prev['dtype']} tensor of global shape {prev['shape']} on rank {first_holder[k]} "
-                    f"but a {t['dtype']} of shape {t['shape']} on rank {r}; every rank must describe the same global tensor"
+                    f"but a {meta['dtype']} of shape {meta['shape']} on rank {r}; every rank must describe the same "
+                    "global tensor"
                 )
     return info, containers
 
 
-def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str, dict[str, Any]]) -> tuple[ChunkTable, np.ndarray]:
+def chunk_table(layouts_: list[RankLayout], keys: list[str], info: dict[str, TensorMeta]) -> tuple[ChunkTable, np.ndarray]:
     """All ranks' chunk rows as arrays (vectorised: ranks that list the same keys in
     the same order are looked up once). Returns the table and each rank's first row."""
     kid = {k: i for i, k in enumerate(keys)}
@@ -159,8 +161,9 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
     boxes = {}
     for name, pad in (("off", 0), ("size", 1)):
         parts = [_flat_boxes(m, name) for m in layouts_]
-        if all(isinstance(p, np.ndarray) for p in parts):
-            flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        arrays = [p for p in parts if isinstance(p, np.ndarray)]
+        if len(arrays) == len(parts):
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
         else:
             flat = np.fromiter(chain.from_iterable(parts), dtype=np.int64)
         if flat.size != total:
@@ -182,7 +185,7 @@ def chunk_table(layouts_: list[dict[str, Any]], keys: list[str], info: dict[str,
     return table, row_start
 
 
-def make_plan(layouts_: list[dict[str, Any]]) -> Plan:
+def make_plan(layouts_: list[RankLayout]) -> Plan:
     """Plan a save from every rank's layout (or full description): structure
     agreement, then the chunk table, then writers (:func:`choose_writers`)."""
     info, containers = merge_structure(layouts_)
@@ -202,9 +205,9 @@ def make_plan(layouts_: list[dict[str, Any]]) -> Plan:
                 sp.writer & nonempty, sp.replicated & nonempty)
 
 
-def merge_values(plan: Plan, values: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_values(plan: Plan, values: list[RankValues]) -> dict[str, Encoded]:
     """The replicated plain values, checked to agree between the ranks that hold them."""
-    merged: dict[str, Any] = {}
+    merged: dict[str, Encoded] = {}
     holders: dict[str, dict[str, list[int]]] = {}
     for r, v in enumerate(values):
         for k, x in v["values"].items():
@@ -247,7 +250,7 @@ def _ranges_by_rank(mask: np.ndarray, row_start: np.ndarray) -> list[list[list[i
     return [flat[cut[r] : cut[r + 1]] for r in range(world)]
 
 
-def assignments(plan: Plan) -> list[dict[str, Any]]:
+def assignments(plan: Plan) -> list[Wire]:
     """What each rank does with its own chunk rows: ``write`` (its bytes go to its
     file) and ``check`` (report its checksums: a replica), as row ranges in the
     rank's own row numbers."""
@@ -296,8 +299,8 @@ def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     )
 
 
-def _tree(containers: dict[str, str], values: dict[str, Any], info: dict[str, dict[str, Any]],
-          placed: dict[str, dict[str, Any]]) -> Tree:
+def _tree(containers: dict[str, str], values: dict[str, Encoded], info: dict[str, TensorMeta],
+          placed: dict[str, Wire]) -> Tree:
     """One (sub)tree of the manifest: containers, values, tensors with their layout
     (the same for the top level and for each rank's per-rank value)."""
     tree = Tree(containers=dict(sorted(containers.items())))
@@ -313,7 +316,7 @@ def _tree(containers: dict[str, str], values: dict[str, Any], info: dict[str, di
     return tree
 
 
-def _per_rank_placed(d: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
+def _per_rank_placed(d: TreeLayout, rank: int) -> dict[str, Wire]:
     c = d["chunks"]
     by_key: dict[str, list[int]] = {}
     for i, size in enumerate(c["size"]):
@@ -329,7 +332,7 @@ def _per_rank_placed(d: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str, dict[str, Any]]:
+def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str, Wire]:
     """The ``grid`` entries of the tensors split along dim 0 only (FSDP's ``Shard(0)``,
     the common case), for all of them at once: the same entries
     :func:`layouts.encode` makes, without a dozen array calls per tensor. ``w`` are
@@ -363,7 +366,7 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
     irregular = (idx > start) & (step != step0)  # ranks not first + i * step
     bad_cuts = np.bincount(kw, weights=uneven, minlength=nkeys) > 0
     bad_ranks = np.bincount(kw, weights=irregular, minlength=nkeys) > 0
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Wire] = {}
     first_off, first_rank = off[bounds[:-1].clip(max=len(w) - 1), 0], rank[bounds[:-1].clip(max=len(w) - 1)]
     c0_key = s0[bounds[:-1].clip(max=len(w) - 1)]
     step_key = step[np.minimum(bounds[:-1] + 1, bounds[1:] - 1).clip(max=len(w) - 1)]
@@ -372,8 +375,8 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
         if int(first_off[i]) != 0:  # pragma: no cover - a validated tiling starts at 0
             continue
         shp = plan.info[plan.keys[i]]["shape"]
-        dim0: Any = int(c0_key[i]) if not bad_cuts[i] else off[a:b, 0].tolist() + [int(shp[0])]
-        ranks: Any
+        dim0: int | list[int] = int(c0_key[i]) if not bad_cuts[i] else off[a:b, 0].tolist() + [int(shp[0])]
+        ranks: list[int] | dict[str, int]
         if b - a == 1:
             ranks = [int(first_rank[i])]
         elif not bad_ranks[i]:
@@ -384,7 +387,7 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
     return out
 
 
-def build_manifest(plan: Plan, values: list[dict[str, Any]], statuses: list[WriteStatus], save_id: str) -> Manifest:
+def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str) -> Manifest:
     """The manifest from the plan, the ranks' values and where each rank's file is:
     each tensor described by its layout (:mod:`shardpoint.format.layouts`)."""
     t = plan.table
@@ -402,7 +405,7 @@ def build_manifest(plan: Plan, values: list[dict[str, Any]], statuses: list[Writ
             placed[k] = layouts.encode(tuple(plan.info[k]["shape"]), t.offsets[rows], t.sizes[rows], t.rank[rows])
     tree = _tree(plan.containers, merge_values(plan, values), plan.info, placed)
     for pkey in sorted({k for pr in plan.per_rank for k in pr}):
-        ranks: dict[str, Any] = {}
+        ranks: dict[str, Wire] = {}
         for r, pr in enumerate(plan.per_rank):
             d = pr.get(pkey)
             if d is not None:
@@ -421,8 +424,8 @@ class CachedPlan:
 
     combined: str
     digests: list[str]
-    layouts: list[dict[str, Any]]
-    structures: dict[str, dict[str, Any]]
+    layouts: list[RankLayout]
+    structures: dict[str, Wire]
     plan: Plan
 
 
@@ -436,10 +439,10 @@ class Coordinator:
 
     tag: str
     world: int
-    layouts: list[dict[str, Any] | None] = field(default_factory=list)
+    layouts: list[RankLayout | None] = field(default_factory=list)
     digests: list[str | None] = field(default_factory=list)
-    values: list[dict[str, Any]] = field(default_factory=list)
-    structures: dict[str, dict[str, Any]] = field(default_factory=dict)  # structure digest -> structure
+    values: list[RankValues] = field(default_factory=list)
+    structures: dict[str, Wire] = field(default_factory=dict)  # structure digest -> structure
     plan: Plan | None = None
     save_id: str = ""
     reused: bool = False  # whether the plan came from the cache
@@ -448,11 +451,11 @@ class Coordinator:
         self.layouts = [None] * self.world
         self.digests = [None] * self.world
 
-    def plan_round(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def plan_round(self, msgs: list[Wire]) -> list[Wire]:
         with gc_paused():
             return self._plan_round(msgs)
 
-    def _plan_round(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _plan_round(self, msgs: list[Wire]) -> list[Wire]:
         """Take the ranks' messages (``digest``; ``layout``: None or a
         :func:`layout_message`; ``plan``: the id of the plan the rank holds an
         assignment of; ``values``) and answer each rank with its assignment (None
@@ -489,8 +492,9 @@ class Coordinator:
         if cached is not None and cached.combined == combined:
             self.plan, self.reused = cached.plan, True
         else:
-            self.plan = make_plan(self.layouts)  # type: ignore[arg-type]
-            PROCESS.plans[self.tag] = CachedPlan(combined, digests, self.layouts, self.structures, self.plan)  # type: ignore[arg-type]
+            known = [lay for lay in self.layouts if lay is not None]  # all of them: none is missing
+            self.plan = make_plan(known)
+            PROCESS.plans[self.tag] = CachedPlan(combined, digests, known, self.structures, self.plan)
         merge_values(self.plan, self.values)  # disagreeing values fail before anything is written
         self.save_id = uuid.uuid4().hex[:12]
         held = [m.get("plan") == combined for m in msgs]

@@ -16,7 +16,7 @@ from ..format.datafile import dtype_name
 from ..format.manifest import encode_value
 from ..layout import chunks_of
 from ..tree import walk
-from .records import ChunkRows, Described
+from .records import ChunkRows, Described, Encoded, TensorMeta
 
 
 def describe(state: Any) -> Described:
@@ -26,8 +26,8 @@ def describe(state: Any) -> Described:
     described: dict[str, Described] = {}
     # per-rank values first: the top level's description holds theirs
     for pkey, sub in [*w.per_rank.items(), ("", w)]:
-        values: dict[str, Any] = {}
-        tensors: dict[str, dict[str, Any]] = {}
+        values: dict[str, Encoded] = {}
+        tensors: dict[str, TensorMeta] = {}
         rows = ChunkRows([], [], [])
         views: list[torch.Tensor] = []
         for key, node in sub.leaves.items():

@@ -94,6 +94,7 @@ class Record:
     crc32: list[int]
     digest: bytes | None
     proof: tuple[Any, ...] | None
+    nonfinite: bool = False  # its bytes hold a NaN or an infinity (a reference to it carries that on)
 
 
 @dataclass(slots=True)
@@ -128,16 +129,23 @@ class Session:
         assert rec is not None
         ref = "../" + rec.file
         self.records[name] = Record(rec.file, rec.file_size, rec.offset, rec.length, rec.crc32,
-                                    digest or rec.digest, proof)
+                                    digest or rec.digest, proof, rec.nonfinite)
         r = self.refs.setdefault(ref, {"size": rec.file_size, "bytes": 0})
         r["bytes"] += rec.length
         return Located(rec.offset, rec.length, rec.crc32, ref)
 
-    def wrote(self, fname: str, file_size: int, chunks: list[tuple[str, WrittenChunk]]) -> None:
-        """Record the chunks this save wrote to its own data file ``fname``."""
+    def wrote(self, fname: str, file_size: int, chunks: list[tuple[str, WrittenChunk]], nonfinite: set[str]) -> None:
+        """Record the chunks this save wrote to its own data file ``fname`` (those in
+        ``nonfinite`` hold a NaN or an infinity)."""
         for name, w in chunks:
             proof, digest = self._pending.pop(name, (None, None))
-            self.records[name] = Record(f"{self.target}/{fname}", file_size, w.offset, w.length, w.crc32, digest, proof)
+            self.records[name] = Record(f"{self.target}/{fname}", file_size, w.offset, w.length, w.crc32, digest, proof,
+                                        name in nonfinite)
+
+    def nonfinite(self, name: str) -> bool:
+        """Whether chunk ``name``, referenced by this save, holds a NaN or an infinity."""
+        rec = self.records.get(name)
+        return rec is not None and rec.nonfinite
 
 
 class Tracker:

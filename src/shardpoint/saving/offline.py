@@ -22,7 +22,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
 from .coordinator import build_manifest, check_replicas, make_plan
 from .describe import data_file, describe
-from .records import Assignment, Wire, WriteStatus
+from .records import Assignment, RankLayout, RankValues, WriteStatus
 from .stage import Stage
 from .write import write
 
@@ -32,8 +32,8 @@ def save_ranks(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, worl
     if storage.exists(MANIFEST_NAME) and not overwrite:
         raise UsageError(f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it")
     save_id = uuid.uuid4().hex[:12]
-    layouts: list[Wire | None] = [None] * world_size
-    values: list[Wire] = [{}] * world_size
+    layouts: list[RankLayout | None] = [None] * world_size
+    values: list[RankValues] = [{"values": {}, "per_rank": {}}] * world_size
     statuses: list[WriteStatus | None] = [None] * world_size
     writers: list[np.ndarray] = [np.zeros(0, dtype=bool)] * world_size
     written: list[str] = []

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .._gc import gc_paused
@@ -40,26 +39,11 @@ from .coordinator import Coordinator
 from .describe import data_file, describe
 from .handle import SaveHandle, wait_in_flight
 from .incremental import Session
-from .records import Described, Planned, Staged, WriteStatus
+from .records import Described, Planned, SaveOptions, Staged, WriteStatus
 from .stage import Stage, optimizers
 from .write import write
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SaveOptions:
-    """How a save runs, beyond the state and the path."""
-
-    #: Replace a checkpoint already at the path (atomically); else refuse.
-    overwrite: bool = False
-    #: Rank 0, right after the manifest is written, before any rank returns (the
-    #: manager points ``latest`` here); its failure fails the save, which stays committed.
-    on_commit: Callable[[], None] | None = None
-    #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
-    after_commit: Callable[[], None] | None = None
-    #: This rank's incremental session: chunks it finds unchanged are referenced, not written.
-    incremental: Session | None = None
 
 
 @gc_paused()
@@ -129,7 +113,7 @@ def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator |
     if error is None:
         assert staged is not None
         status, error = _attempt(_write, storage, fname, staged, options.incremental)
-    commit(comm, storage, planned, coord, fname, status, error, options.on_commit)
+    commit(comm, storage, planned, coord, fname, status, error, options)
     if coord is not None and options.after_commit is not None:
         try:
             options.after_commit()

@@ -11,16 +11,51 @@ and from that form here (``wire`` / ``from_wire``), nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 import torch
 
 from ..errors import ShardpointError
+from .incremental import Session
 
 #: A JSON object as the collectives carry it.
 Wire = dict[str, Any]
+#: A plain value as the manifest encodes it: ``[type, payload]``.
+Encoded = list[object]
+
+
+class TensorMeta(TypedDict):
+    """A tensor's dtype name, global shape, and whether it was a numpy array."""
+
+    dtype: str
+    shape: list[int]
+    numpy: bool
+
+
+class TreeLayout(TypedDict):
+    """One tree's layout as the coordinator plans from it: containers, tensors and
+    chunk rows (``{"key", "off", "size"}``, or, unpacked from a message, ``"off_flat"``
+    and ``"size_flat"`` arrays in place of the nested lists)."""
+
+    containers: dict[str, str]
+    tensors: dict[str, TensorMeta]
+    chunks: Wire
+
+
+class RankLayout(TreeLayout):
+    """A rank's layout: its top-level tree and each of its per-rank values' trees."""
+
+    per_rank: dict[str, TreeLayout]
+
+
+class RankValues(TypedDict):
+    """A rank's plain values, top level and per per-rank key."""
+
+    values: dict[str, Encoded]
+    per_rank: dict[str, dict[str, Encoded]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,24 +78,23 @@ class Described:
     its chunk rows and, row by row, the tensor views behind them."""
 
     containers: dict[str, str]
-    values: dict[str, Any]
-    tensors: dict[str, Wire]  # key -> {"dtype", "shape", "numpy"}
+    values: dict[str, Encoded]
+    tensors: dict[str, TensorMeta]
     rows: ChunkRows
     views: list[torch.Tensor]
     per_rank: dict[str, Described]
 
-    def layout(self) -> Wire:
+    def layout(self) -> RankLayout:
         """The layout part of the description (what the coordinator plans from):
         structure, tensor shapes and dtypes, chunk boxes, top level and per-rank.
         Values are left out: a step counter changes every save, the layout does not."""
-        out = self._layout()
-        out["per_rank"] = {p: d._layout() for p, d in self.per_rank.items()}
-        return out
+        return {"containers": self.containers, "tensors": self.tensors, "chunks": self.rows.wire(),
+                "per_rank": {p: d._tree_layout() for p, d in self.per_rank.items()}}
 
-    def _layout(self) -> Wire:
+    def _tree_layout(self) -> TreeLayout:
         return {"containers": self.containers, "tensors": self.tensors, "chunks": self.rows.wire()}
 
-    def value_message(self) -> Wire:
+    def value_message(self) -> RankValues:
         """The plain values, top level and per-rank."""
         return {"values": self.values, "per_rank": {p: d.values for p, d in self.per_rank.items()}}
 
@@ -149,8 +183,9 @@ class IndexRecord:
 @dataclass(frozen=True, slots=True)
 class WriteStatus:
     """What one rank wrote: its data file (None when it wrote nothing), the file's
-    size and index, the checksum digests of its replica rows, and the earlier data
-    files it refers to (incremental saves: ref -> {"size", "bytes"})."""
+    size and index, the checksum digests of its replica rows, the earlier data files
+    it refers to (incremental saves: ref -> {"size", "bytes"}), and the keys of the
+    chunks it wrote or referred to that hold a NaN or an infinity."""
 
     file: str | None
     size: int = 0
@@ -158,9 +193,12 @@ class WriteStatus:
     replica_rows: tuple[int, ...] = ()
     replica_digests: tuple[int, ...] = ()
     refs: dict[str, dict[str, int]] | None = None
+    nonfinite: tuple[str, ...] = ()
 
     def wire(self) -> Wire:
         out: Wire = {"file": self.file, "replicas": [list(self.replica_rows), list(self.replica_digests)]}
+        if self.nonfinite:
+            out["nonfinite"] = list(self.nonfinite)
         if self.file is not None:
             assert self.index is not None
             out["size"] = self.size
@@ -178,7 +216,24 @@ class WriteStatus:
                 file=m["file"], size=int(m.get("size", 0)),
                 index=IndexRecord(str(index["name"]), int(index["size"]), str(index["sha256"])) if index else None,
                 replica_rows=tuple(int(r) for r in rows), replica_digests=tuple(int(d) for d in digests),
-                refs=m.get("refs"))
+                refs=m.get("refs"), nonfinite=tuple(str(k) for k in m.get("nonfinite", ())))
         except (KeyError, TypeError, ValueError):
             raise ShardpointError(f"malformed write status from rank {rank}; every rank must run the same "
                                   "shardpoint version") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveOptions:
+    """How a save runs, beyond the state and the path."""
+
+    #: Replace a checkpoint already at the path (atomically); else refuse.
+    overwrite: bool = False
+    #: Rank 0, right after the manifest is written, before any rank returns (the
+    #: manager points ``latest`` here); its failure fails the save, which stays committed.
+    on_commit: Callable[[], None] | None = None
+    #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
+    after_commit: Callable[[], None] | None = None
+    #: This rank's incremental session: chunks it finds unchanged are referenced, not written.
+    incremental: Session | None = None
+    #: The caller's numbers for this step (rank 0's are recorded in the manifest).
+    metrics: Mapping[str, float] | None = None
