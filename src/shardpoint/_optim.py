@@ -9,8 +9,8 @@ the same way by all of them (``docs/format.md``: ``optimizer/state/<fqn>/<name>`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -19,9 +19,14 @@ from .format.datafile import dtype_from_name
 from .tree import decode_key, join
 
 __all__ = [
-    "canonical_name", "param_names", "hyperparameters", "apply_param_groups", "OptimizerEntries", "zeros_like_entry",
+    "Entry", "Entries", "canonical_name", "param_names", "hyperparameters", "apply_param_groups", "OptimizerEntries", "zeros_like_entry",
     "state_value",
 ]
+
+#: One manifest entry, as parsed from its JSON (``kind``, ``shape``, ``dtype``, ...).
+Entry = Mapping[str, Any]
+#: The manifest's entries by key (relative to the owner's root).
+Entries = Mapping[str, Entry]
 
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 _STATE = "optimizer/state/"
@@ -39,7 +44,7 @@ def param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): canonical_name(n) for n, p in module.named_parameters(remove_duplicate=False)}
 
 
-def hyperparameters(group: Mapping[str, Any], fqns: Iterable[str]) -> dict[str, Any]:
+def hyperparameters(group: Mapping[str, object], fqns: Iterable[str]) -> dict[str, object]:
     """One param group as saved: its hyperparameters, and ``params`` as the names of
     its parameters (in the group's order) instead of the tensors."""
     hp = {k: v for k, v in group.items() if k != "params"}
@@ -47,7 +52,7 @@ def hyperparameters(group: Mapping[str, Any], fqns: Iterable[str]) -> dict[str, 
     return hp
 
 
-def apply_param_groups(groups: list[dict[str, Any]], saved: list[Mapping[str, Any]], fqns: list[list[str]]) -> None:
+def apply_param_groups(groups: list[dict[str, Any]], saved: Sequence[Mapping[str, object]], fqns: list[list[str]]) -> None:
     """Set the saved hyperparameters of each param group, after checking that the
     groups hold the same parameters (by name, in order); raises KeyMismatchError
     naming the first group that differs."""
@@ -57,7 +62,7 @@ def apply_param_groups(groups: list[dict[str, Any]], saved: list[Mapping[str, An
             "build the optimizer with the same groups, or exclude=['optimizer']"
         )
     for i, (sg, want) in enumerate(zip(saved, fqns)):
-        got = list(sg.get("params", want))
+        got = list(cast("Iterable[str]", sg.get("params", want)))  # saved: a list of fqns
         if got != want:
             raise KeyMismatchError(
                 f"optimizer param_groups[{i}] holds {want[:5]}... here but {got[:5]}... in the checkpoint; "
@@ -78,8 +83,8 @@ class OptimizerEntries:
             rejects are left out.
     """
 
-    def __init__(self, entries: Mapping[str, Any], select: Callable[[str], bool]) -> None:
-        self._by_fqn: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {}
+    def __init__(self, entries: Entries, select: Callable[[str], bool]) -> None:
+        self._by_fqn: dict[str, dict[str, tuple[str, Entry]]] = {}
         for key, e in entries.items():
             if not key.startswith(_STATE):
                 continue
@@ -89,12 +94,12 @@ class OptimizerEntries:
             name = decode_key(rest[1])[0]
             self._by_fqn.setdefault(rest[0], {})[str(name)] = (key, e)
 
-    def of(self, fqn: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    def of(self, fqn: str) -> dict[str, tuple[str, Entry]]:
         """``state name -> (checkpoint key, manifest entry)`` saved for parameter ``fqn``."""
         return self._by_fqn.get(join("", fqn), {})
 
 
-def zeros_like_entry(key: str, e: Mapping[str, Any], like: torch.Tensor | None) -> Any:
+def zeros_like_entry(key: str, e: Entry, like: torch.Tensor | None) -> torch.Tensor | None:
     """A new, zero optimizer state value for the saved entry ``e`` at ``key``: laid
     out like ``like`` (its parameter, or the flat partition it lives in) when the
     shapes agree, else a CPU tensor of the saved shape (Adam's scalar ``step``); the
@@ -109,7 +114,7 @@ def zeros_like_entry(key: str, e: Mapping[str, Any], like: torch.Tensor | None) 
 
 
 
-def state_value(group: Mapping[str, Any], param: torch.Tensor, name: Any, value: Any) -> Any:
+def state_value(group: Mapping[str, object], param: torch.Tensor, name: str, value: object) -> object:
     """``value`` as ``Optimizer.load_state_dict`` would place it for ``param`` of
     ``group`` (its ``_process_value_according_to_param_policy``): ``step`` stays as it
     is, except for fused or capturable optimizers, which keep it as float32 on the

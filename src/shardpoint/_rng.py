@@ -8,11 +8,12 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from ._optim import Entries
 from .report import LoadReport
 from .tree import PerRank
 
@@ -27,11 +28,12 @@ def derived_seed(base_seed: int, rank: int) -> int:
     return zlib.crc32(f"{base_seed}:{rank}".encode()) * 1000003 % (1 << 63)
 
 
-def current_streams() -> dict[str, Any]:
+def current_streams() -> dict[str, object]:
     """This process's generators, as plain values and arrays."""
     version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=True)
-    out: dict[str, Any] = {
+    # legacy=True: the MT19937 tuple (numpy's stubs also allow the dict of other bit generators)
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
+    out: dict[str, object] = {
         "python": {"version": version, "state": np.array(internal, dtype=np.int64), "gauss": gauss},
         "numpy": {"kind": np_state[0], "keys": np.asarray(np_state[1]).copy(), "pos": int(np_state[2]),
                   "has_gauss": int(np_state[3]), "cached": float(np_state[4])},
@@ -44,7 +46,7 @@ def current_streams() -> dict[str, Any]:
     return out
 
 
-def set_streams(s: Mapping[str, Any]) -> None:
+def set_streams(s: Mapping[str, Any]) -> None:  # Any: loaded values, shaped as current_streams() makes them
     """Set this process's generators from :func:`current_streams`' values."""
     py = s["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"]), py["gauss"]))
@@ -78,7 +80,7 @@ class RngStreams:
     def base_seed(self) -> int:
         return 0 if self.rng is True else int(self.rng)
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self) -> dict[str, object] | None:
         """``{"base_seed", "streams": PerRank(...)}``, or None when not saved (or, during a
         load, not in the checkpoint)."""
         if self.rng is False or self._absent:
@@ -88,7 +90,7 @@ class RngStreams:
             streams.pop("cuda", None)
         return {"base_seed": self.base_seed, "streams": PerRank(streams)}
 
-    def prepare_load(self, entries: Mapping[str, Any]) -> None:
+    def prepare_load(self, entries: Entries) -> None:
         """A checkpoint saved without RNG streams (``rng=False``, or converted from
         DeepSpeed's files) leaves this rank's streams alone instead of failing a strict load."""
         self._absent = not any(k == "rng" or k.startswith("rng/") for k in entries)
@@ -96,7 +98,7 @@ class RngStreams:
         self._no_cuda = not any(k.startswith("rng/streams/cuda") for sub in per_rank.values()
                                 for k in sub.get("entries", {}))
 
-    def apply(self, rng: Any) -> None:
+    def apply(self, rng: object) -> None:
         """Set this rank's saved streams, or (a rank new since the save) its current
         ones: :meth:`after_load` then derives fresh streams for the latter."""
         if self.rng is not False and isinstance(rng, Mapping) and isinstance(rng.get("streams"), PerRank):

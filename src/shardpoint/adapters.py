@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ._optim import (
+    Entries,
     OptimizerEntries,
     apply_param_groups,
     canonical_name,
@@ -53,8 +54,9 @@ from .tree import Walk, decode_key, walk
 
 __all__ = ["Adapter", "PlainAdapter", "register", "adapter_class", "adapter_for", "LoadHooks"]
 
-Entries = Mapping[str, Any]
 Select = Callable[[str], bool]
+#: ``key_map``: checkpoint parameter name -> this model's name (None: leave the parameter out).
+KeyMap = Mapping[str, str] | Callable[[str], str | None]
 
 
 class Adapter:
@@ -72,12 +74,14 @@ class Adapter:
     #: read back: a key the load creates under them went nowhere (reported unexpected).
     transient: tuple[str, ...] = ()
 
-    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: Any = None) -> None:
+    # Any: a framework's owner (a module, an untyped engine, a trainer's module) and
+    # optimizer (torch's, or a framework's wrapper): each adapter knows its own
+    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: KeyMap | None = None) -> None:
         self.owner = owner
         self.optimizer = optimizer
         self.key_map = key_map
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         """The owner's parts (``model``, ``optimizer``, ...) as nested state."""
         raise NotImplementedError
 
@@ -87,7 +91,7 @@ class Adapter:
         returns the keys whose state was created."""
         return []
 
-    def apply(self, sd: Mapping[str, Any]) -> None:
+    def apply(self, sd: Mapping[str, object]) -> None:
         """After the tensors of :meth:`state` were filled in place: set the rest from
         ``sd`` (the filled state). Not collective."""
 
@@ -101,8 +105,11 @@ class PlainAdapter(Adapter):
     ``optimizer/state/<fqn>/<name>`` and ``optimizer/param_groups``."""
 
     transient = ("model", "optimizer")
+    owner: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
 
-    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: Any = None) -> None:
+    def __init__(self, owner: torch.nn.Module | None, *, optimizer: torch.optim.Optimizer | None = None,
+                 key_map: KeyMap | None = None) -> None:
         super().__init__(owner, optimizer=optimizer, key_map=key_map)
         self._load_names: dict[str, str] | None = None  # local fqn -> checkpoint fqn, during a load
 
@@ -112,9 +119,10 @@ class PlainAdapter(Adapter):
     def _rows(self) -> list[list[tuple[str, torch.Tensor]]]:
         """Each param group's parameters with their names."""
         names = param_names(self.owner) if self.owner is not None else {}
+        assert self.optimizer is not None  # only called with an optimizer
         rows = []
         for gi, g in enumerate(self.optimizer.param_groups):
-            row = []
+            row: list[tuple[str, torch.Tensor]] = []
             for pi, p in enumerate(g["params"]):
                 fqn = names.get(id(p))
                 if fqn is None:
@@ -127,10 +135,10 @@ class PlainAdapter(Adapter):
             rows.append(row)
         return rows
 
-    def state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def state(self) -> dict[str, object]:
+        out: dict[str, object] = {}
         if self.owner is not None:
-            model: dict[str, Any] = {}
+            model: dict[str, object] = {}
             for k, v in self.owner.state_dict().items():
                 name = self._ckpt(canonical_name(k))
                 if name in model:
@@ -141,7 +149,9 @@ class PlainAdapter(Adapter):
                 model[name] = v
             out["model"] = model
         if self.optimizer is not None:
-            opt, state, groups = self.optimizer, {}, []
+            opt = self.optimizer
+            state: dict[str, object] = {}
+            groups: list[dict[str, object]] = []
             for g, row in zip(opt.param_groups, self._rows()):
                 groups.append(hyperparameters(g, (self._ckpt(f) for f, _ in row)))
                 for fqn, p in row:
@@ -154,7 +164,8 @@ class PlainAdapter(Adapter):
         self._load_names = self._map_names(entries) if self.key_map is not None else None
         if self.optimizer is None:
             return []
-        opt, saved, created = self.optimizer, OptimizerEntries(entries, select), []
+        opt, saved = self.optimizer, OptimizerEntries(entries, select)
+        created: list[str] = []
         for group, row in zip(opt.param_groups, self._rows()):
             for fqn, p in row:
                 st = opt.state.get(p, {})
@@ -169,6 +180,7 @@ class PlainAdapter(Adapter):
     def _map_names(self, entries: Entries) -> dict[str, str]:
         """local fqn -> checkpoint fqn, from ``key_map`` (checkpoint name -> local name)."""
         km = self.key_map
+        assert km is not None  # only called with a key_map
         out: dict[str, str] = {}
         for k in entries:
             if not k.startswith("model/"):
@@ -181,7 +193,7 @@ class PlainAdapter(Adapter):
                     out[new] = old
         return out
 
-    def apply(self, sd: Mapping[str, Any]) -> None:
+    def apply(self, sd: Mapping[str, object]) -> None:
         opt, osd = self.optimizer, sd.get("optimizer")
         if opt is not None and isinstance(osd, Mapping):
             rows = self._rows()
@@ -219,7 +231,7 @@ def register(class_name: str, adapter: str | type[Adapter]) -> None:
     _REGISTRY[class_name] = adapter
 
 
-def adapter_class(owner: Any) -> type[Adapter] | None:
+def adapter_class(owner: object) -> type[Adapter] | None:
     """The adapter registered for the nearest class in ``type(owner).__mro__``, or None."""
     for cls in type(owner).__mro__:
         found = _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
@@ -240,7 +252,7 @@ def adapter_class(owner: Any) -> type[Adapter] | None:
     return None
 
 
-def adapter_for(owner: Any, *, optimizer: Any = None, key_map: Any = None) -> Adapter:
+def adapter_for(owner: object, *, optimizer: object = None, key_map: KeyMap | None = None) -> Adapter:
     """The adapter of ``owner``: the registered one for its class hierarchy, else
     :class:`PlainAdapter` (``owner`` an ``nn.Module`` or None)."""
     cls = adapter_class(owner) if owner is not None else None
@@ -251,7 +263,7 @@ def adapter_for(owner: Any, *, optimizer: Any = None, key_map: Any = None) -> Ad
 _HOOKS = ("_shardpoint_prepare_load", "_shardpoint_after_load", "_shardpoint_loaded")
 
 
-def _has_hooks(obj: Any) -> bool:
+def _has_hooks(obj: object) -> bool:
     return any(callable(getattr(obj, h, None)) for h in _HOOKS)
 
 
@@ -268,9 +280,9 @@ class LoadHooks:
     load order. Objects inside a :class:`~shardpoint.PerRank` value are not searched."""
 
     def __init__(self) -> None:
-        self.owners: list[tuple[str, Any]] = []  # (key, object), outermost first
+        self.owners: list[tuple[str, object]] = []  # (key, object), outermost first
 
-    def prepare(self, state: Any, entries: Entries, select: Select) -> Walk:
+    def prepare(self, state: object, entries: Entries, select: Select) -> Walk:
         """Run every object's ``_shardpoint_prepare_load`` and return the walk of
         ``state`` that the load uses (taken after the objects created their state).
         The root's hook runs before any walk; nested objects are found by one walk,
@@ -286,7 +298,7 @@ class LoadHooks:
             again |= self._prepare(key, obj, entries, select)
         return walk(state) if again else w
 
-    def _prepare(self, key: str, obj: Any, entries: Entries, select: Select) -> bool:
+    def _prepare(self, key: str, obj: object, entries: Entries, select: Select) -> bool:
         self.owners.append((key, obj))
         hook = getattr(obj, "_shardpoint_prepare_load", None)
         if not callable(hook):

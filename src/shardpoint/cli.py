@@ -13,9 +13,40 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.tree import Tree
 
 OK, DIFFERS, USAGE = 0, 1, 2
+
+
+class CheckpointRow(TypedDict):
+    """One step folder as ``shardpoint ls --json`` lists it (None: unknown, the folder is not committed)."""
+
+    step: int
+    path: str
+    time: str | None
+    size: int | None
+    referenced: int | None
+    world_size: int | None
+    status: str
+    latest: bool
+    nonfinite: list[str] | None  # None: saved before health was recorded, or not committed
+    metrics: dict[str, float] | None
+
+
+class DiffResult(TypedDict):
+    """What :func:`diff` returns (``shardpoint diff --json`` adds ``identical``)."""
+
+    a: str
+    b: str
+    added: list[str]
+    removed: list[str]
+    changed: dict[str, str]
+    max_abs_diff: dict[str, float]
+    identical: NotRequired[bool]
 
 _EXAMPLES = {
     "ls": "example:\n  shardpoint ls runs/exp1/ckpt\n  shardpoint ls runs/exp1/ckpt --json | jq '.[] | select(.latest)'",
@@ -144,7 +175,7 @@ def _not_found(e: Exception, paths: list[str | None]) -> int:
     return USAGE
 
 
-def _console(stderr: bool = False) -> Any:
+def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     f = sys.stderr if stderr else sys.stdout
@@ -163,7 +194,7 @@ def _human(n: int | None) -> str:
     return str(n)  # pragma: no cover
 
 
-def _dtype(d: Any) -> str:
+def _dtype(d: object) -> str:
     return str(d).removeprefix("torch.")
 
 
@@ -196,7 +227,7 @@ def _health(nonfinite: list[str] | None) -> str:
     return f"NaN/inf in {len(nonfinite)} key(s)" if nonfinite else "finite"
 
 
-def _checkpoints(root: str) -> list[dict[str, Any]]:
+def _checkpoints(root: str) -> list[CheckpointRow]:
     import re
 
     from .errors import CheckpointNotFoundError
@@ -209,7 +240,7 @@ def _checkpoints(root: str) -> list[dict[str, Any]]:
     committed = {i.step: i for i in mgr.list()}
     latest = mgr.latest()
     needed = referenced_files(mgr.storage, [mgr.step_dir(s) for s, i in committed.items() if not i.damaged]) or {}
-    rows = []
+    rows: list[CheckpointRow] = []
     for name in mgr.storage.list_dirs():
         m = re.fullmatch(r"step-(\d+)", name)
         if not m:
@@ -233,7 +264,7 @@ def _checkpoints(root: str) -> list[dict[str, Any]]:
 
 
 # -- inspect ------------------------------------------------------------------------------------------
-def _sharding(shape: tuple[int, ...], chunks: tuple[Any, ...]) -> str:
+def _sharding(shape: tuple[int, ...], chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]) -> str:
     """How a tensor was split when saved, in words."""
     if len(chunks) <= 1:
         return "whole"
@@ -272,14 +303,14 @@ def _inspect(args: argparse.Namespace) -> int:
                 + (f", {_human(m.referenced)} by reference to earlier checkpoints" if m.referenced else "")
                 + (f"; {_health(m.nonfinite)}" if m.nonfinite is not None else "")
                 + "".join(f", {k}={v:.4g}" for k, v in m.metrics.items()))
-    nodes: dict[tuple[Any, ...], Any] = {(): tree}
+    nodes: dict[tuple[str | int, ...], Tree] = {(): tree}
 
-    def parent(path: tuple[Any, ...]) -> Any:
+    def parent(path: tuple[str | int, ...]) -> Tree:
         if path not in nodes:
             nodes[path] = parent(path[:-1]).add(escape(str(path[-1])) + "/")
         return nodes[path]
 
-    leaves: list[tuple[tuple[Any, ...], str]] = []
+    leaves: list[tuple[tuple[str | int, ...], str]] = []
     for k, t in m.tensors.items():
         leaves.append((decode_key(k), f"{_dtype(t.dtype)}{list(t.shape)}  {_human(t.nbytes)}  {_sharding(t.shape, t.chunks)}"))
     for k, v in m.values.items():
@@ -313,7 +344,7 @@ def _verify(args: argparse.Namespace) -> int:
 DIFF_BUDGET = 128 << 20
 
 
-def diff(a: str, b: str, *, atol: float = 0.0, progress: bool = False) -> dict[str, Any]:
+def diff(a: str, b: str, *, atol: float = 0.0, progress: bool = False) -> DiffResult:
     """Compare two checkpoints, reading a group of at most :data:`DIFF_BUDGET` bytes
     of tensors from each side at a time. Returns ``added`` / ``removed`` keys,
     ``changed`` ({key: what changed}) and ``max_abs_diff`` ({tensor key: value} for
@@ -347,7 +378,8 @@ def diff(a: str, b: str, *, atol: float = 0.0, progress: bool = False) -> dict[s
     with Progress(total, f"comparing {a} and {b}", enabled=progress) as bar:
         i = 0
         while i < len(same):
-            group, size = [], 0
+            group: list[str] = []
+            size = 0
             while i < len(same) and (not group or size + ma.tensors[same[i]].nbytes <= DIFF_BUDGET):
                 group.append(same[i])
                 size += ma.tensors[same[i]].nbytes
@@ -369,7 +401,7 @@ def diff(a: str, b: str, *, atol: float = 0.0, progress: bool = False) -> dict[s
             "max_abs_diff": diffs}
 
 
-def _at(tree: Any, path: tuple[Any, ...]) -> Any:
+def _at(tree: Any, path: tuple[str | int, ...]) -> Any:  # Any: a loaded tree, indexed along a path it has
     for seg in path:
         tree = tree[seg]
     return tree

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import signal
@@ -10,7 +11,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from .api import DEFAULT_TIMEOUT, PathLike, load
 from .collective import Comm
@@ -24,6 +26,12 @@ from .saving.incremental import Session, Tracker
 from .saving.pipeline import save_state
 from .saving.records import SaveOptions
 from .storage import Storage, storage_for
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+#: What ``signal.signal`` returns: the handler it replaced.
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 _STEP = re.compile(r"^step-(\d+)$")
 LATEST = "latest"
@@ -137,7 +145,7 @@ class CheckpointManager:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
-        process_group: Any = None,
+        process_group: ProcessGroup | None = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
@@ -154,7 +162,7 @@ class CheckpointManager:
         self._restored: int | None = None
         self._pending: SaveHandle | None = None
         self._preempt = threading.Event()
-        self._old_handlers: dict[int, Any] = {}
+        self._old_handlers: dict[int, _Handler] = {}
         self.incremental = incremental
         self._tracker = Tracker() if incremental else None
         self._session: Session | None = None
@@ -251,7 +259,7 @@ class CheckpointManager:
         return bool(self.list())
 
     # -- save -----------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, blocking: bool = True, overlap: bool = False,
+    def save(self, state: object, step: int, *, blocking: bool = True, overlap: bool = False,
              metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Save ``state`` as step ``step``. Collective. After the commit, ``latest``
         points at it and retention runs (rank 0), deleting only committed checkpoints
@@ -348,11 +356,11 @@ class CheckpointManager:
     # -- restore --------------------------------------------------------------------
     def restore(
         self,
-        state: Any,
+        state: object,
         step: int | None = None,
         *,
-        only: list[str] | str | None = None,
-        exclude: list[str] | str | None = None,
+        only: builtins.list[str] | str | None = None,  # builtins: in this class `list` is the method
+        exclude: builtins.list[str] | str | None = None,
         strict: bool = True,
         fallback: bool = False,
         accept: Callable[[CheckpointInfo], bool] | None = None,
@@ -460,7 +468,7 @@ class CheckpointManager:
         for s in signals:
             self._old_handlers[s] = signal.signal(s, lambda *_: self._preempt.set())
 
-    def save_if_preempted(self, state: Any, step: int) -> bool:
+    def save_if_preempted(self, state: object, step: int) -> bool:
         """Collective; call it once per step on every rank. If any rank was told to
         stop, every rank saves ``step`` and this returns True (then exit); otherwise
         returns False. One small all-reduce per call, on a lane of its own: it does

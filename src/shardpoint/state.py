@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._optim import apply_param_groups, canonical_name
+from ._optim import Entries, apply_param_groups, canonical_name
 from ._rng import RngStreams, derived_seed
-from .adapters import Adapter, adapter_for
+from .adapters import Adapter, KeyMap, adapter_for
 from .report import LoadReport
-from .tree import PerRank, is_stateful
+from .tree import PerRank, Stateful, is_stateful
 
 __all__ = ["TrainState", "canonical_name", "apply_param_groups"]
 
@@ -62,14 +62,14 @@ class TrainState:
 
     def __init__(
         self,
-        model: Any = None,
-        optimizer: Any = None,
-        scheduler: Any = None,
-        grad_scaler: Any = None,
-        data: Any = None,
+        model: object = None,
+        optimizer: Stateful | None = None,
+        scheduler: Stateful | None = None,
+        grad_scaler: Stateful | None = None,
+        data: Stateful | None = None,
         rng: bool | int = True,
-        key_map: Mapping[str, str] | Callable[[str], str] | None = None,
-        **extra: Any,
+        key_map: KeyMap | None = None,
+        **extra: Any,  # Any: the caller's own values, read back as the caller knows them
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -79,7 +79,7 @@ class TrainState:
         self._rng = RngStreams(rng)
         self.key_map = key_map
         self.extra: dict[str, Any] = dict(extra)
-        self._adapter: tuple[tuple[Any, Any, Any], Adapter] | None = None
+        self._adapter: tuple[tuple[object, object, object], Adapter] | None = None
         self._created: list[str] = []  # keys whose state the adapter created, during a load
 
     @property
@@ -110,10 +110,10 @@ class TrainState:
         return (ad.transient if ad is not None else ()) + (("rng",) if self.rng is False else ())
 
     # -- Stateful ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # Any: as Stateful's
         """The nested state :func:`shardpoint.save` writes (live tensors, no copies)."""
         ad = self.adapter()
-        out: dict[str, Any] = dict(ad.state()) if ad is not None else {}
+        out: dict[str, object] = dict(ad.state()) if ad is not None else {}
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler
         if self.grad_scaler is not None:
@@ -127,7 +127,7 @@ class TrainState:
             out["extra"] = dict(self.extra)
         return out
 
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:  # Any: the filled state_dict()
         """Apply what :func:`shardpoint.load` filled in. Tensors were filled in place;
         this sets hyperparameters, plain values and RNG streams."""
         ad = self.adapter()
@@ -140,7 +140,7 @@ class TrainState:
                     self.extra[k] = v
 
     # -- load hooks (shardpoint.adapters.LoadHooks), keys relative to this object -----
-    def _shardpoint_prepare_load(self, entries: Mapping[str, Any], select: Callable[[str], bool]) -> None:
+    def _shardpoint_prepare_load(self, entries: Entries, select: Callable[[str], bool]) -> None:
         self._rng.prepare_load(entries)
         ad = self.adapter()
         self._created = ad.prepare_load(entries, select) if ad is not None else []

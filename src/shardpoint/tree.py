@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -20,9 +20,18 @@ import torch
 from .errors import UnsupportedTypeError
 from .layout import FlatShard
 
-__all__ = ["PerRank", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
+__all__ = ["PerRank", "Stateful", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
 
 _INT = re.compile(r"^-?[0-9]+$")
+
+
+class Stateful(Protocol):
+    """An object that saves and restores itself, as torch's own ``Stateful``:
+    ``state_dict()`` returns its state, ``load_state_dict()`` takes it back."""
+
+    def state_dict(self) -> dict[str, Any]: ...  # Any: as torch's Stateful (and nn.Module, Optimizer) type it
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
 
 
 class PerRank:
@@ -35,7 +44,7 @@ class PerRank:
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: object) -> None:
         self.value = value
 
     def __repr__(self) -> str:
@@ -94,7 +103,7 @@ def matches_prefix(key: str, prefixes: list[str] | tuple[str, ...]) -> bool:
     return False
 
 
-def is_stateful(obj: Any) -> bool:
+def is_stateful(obj: object) -> TypeGuard[Stateful]:
     """Whether ``obj`` follows the Stateful protocol (``state_dict``/``load_state_dict``)."""
     return (
         not isinstance(obj, (torch.Tensor, Mapping, list, tuple))
@@ -112,7 +121,7 @@ class Node:
     stateful, per_rank, tensor, value."""
 
     kind: str
-    obj: Any = None
+    obj: Any = None  # Any: the walked object of any kind above, used by the load as its kind says
     children: dict[str | int, Node] = field(default_factory=dict)
     inner: Node | None = None
 
@@ -127,10 +136,10 @@ class Walk:
     containers: dict[str, str] = field(default_factory=dict)
     leaves: dict[str, Node] = field(default_factory=dict)
     per_rank: dict[str, Walk] = field(default_factory=dict)
-    stateful: list[tuple[str, Any]] = field(default_factory=list)
+    stateful: list[tuple[str, Stateful]] = field(default_factory=list)
 
 
-def walk(state: Any, prefix: str = "") -> Walk:
+def walk(state: object, prefix: str = "") -> Walk:
     """Walk ``state`` once, calling each Stateful object's ``state_dict()`` exactly
     once. Raises ``TypeError`` naming the key of anything that cannot be saved."""
     w = Walk(root=Node("dict"))
@@ -138,7 +147,7 @@ def walk(state: Any, prefix: str = "") -> Walk:
     return w
 
 
-def _walk(obj: Any, key: str, w: Walk, in_per_rank: bool) -> Node:
+def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
     if isinstance(obj, PerRank):
         if in_per_rank:
             return _walk(obj.value, key, w, True)

@@ -28,11 +28,13 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._optim import (
+    Entries,
+    Entry,
     OptimizerEntries,
     apply_param_groups,
     canonical_name,
@@ -40,7 +42,7 @@ from .._optim import (
     param_names,
     zeros_like_entry,
 )
-from ..adapters import Adapter
+from ..adapters import Adapter, KeyMap
 from ..errors import ShardpointError
 from ..layout import FlatShard
 from ..report import LoadReport
@@ -52,6 +54,29 @@ __all__ = [
 ]
 
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+class Engine(Protocol):
+    """What this module uses of a DeepSpeed engine (``deepspeed.DeepSpeedEngine``,
+    which has no type hints): its counters are set with ``setattr``."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def optimizer(self) -> Any: ...  # Any: DeepSpeed's untyped optimizer wrappers (ZeRO, BF16/FP16) or a torch optimizer
+
+    @property
+    def lr_scheduler(self) -> object: ...
+
+    @property
+    def global_steps(self) -> int: ...
+
+    @property
+    def global_samples(self) -> int: ...
+
+    @property
+    def skipped_steps(self) -> int: ...
 
 
 # -- where each parameter's fp32 master and optimizer state live on this rank ---------------
@@ -80,7 +105,7 @@ class Piece:
         return FlatShard(part, self.shape, self.start) if self.sharded else part.view(self.shape)
 
 
-def torch_optimizer(engine: Any) -> torch.optim.Optimizer:
+def torch_optimizer(engine: Engine) -> torch.optim.Optimizer:
     """The torch optimizer that DeepSpeed's wrapper (if any) steps."""
     opt = engine.optimizer
     if opt is None:
@@ -89,7 +114,7 @@ def torch_optimizer(engine: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else opt
 
 
-def _namer(engine: Any) -> Callable[[torch.Tensor, int], str]:
+def _namer(engine: Engine) -> Callable[[torch.Tensor, int], str]:
     """``name(param, group)``: the canonical name of an optimizer parameter in
     ``engine.module``, as TrainState names optimizer state."""
     names = param_names(engine.module)
@@ -108,13 +133,13 @@ def _namer(engine: Any) -> Callable[[torch.Tensor, int], str]:
     return name
 
 
-def _kind(engine: Any) -> str:
+def _kind(engine: Engine) -> str:
     opt = engine.optimizer
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # type: ignore[import-untyped]
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer  # type: ignore[import-untyped]
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # type: ignore[import-untyped]
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # type: ignore[import-untyped]
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # type: ignore[import-untyped]
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         if getattr(opt, "swap_optimizer", False):
@@ -136,7 +161,7 @@ def _kind(engine: Any) -> str:
     )
 
 
-def pieces(engine: Any) -> list[Piece]:
+def pieces(engine: Engine) -> list[Piece]:
     """This rank's piece of every trainable parameter, in optimizer order."""
     name = _namer(engine)
     opt, kind = engine.optimizer, _kind(engine)
@@ -180,7 +205,7 @@ def pieces(engine: Any) -> list[Piece]:
     return out
 
 
-def _group_fqns(engine: Any) -> list[list[str]]:
+def _group_fqns(engine: Engine) -> list[list[str]]:
     """The fqns of each optimizer param group, in the group's order (every rank alike)."""
     name = _namer(engine)
     opt, kind = engine.optimizer, _kind(engine)
@@ -202,7 +227,7 @@ def _group_fqns(engine: Any) -> list[list[str]]:
     return [[name(p, g) for p in ps] for g, ps in enumerate(groups)]
 
 
-def _zero3_frozen(engine: Any, p: Any) -> FlatShard | None:
+def _zero3_frozen(engine: Engine, p: Any) -> FlatShard | None:  # Any: a parameter with DeepSpeed's ds_* attributes
     """A frozen ZeRO-3 parameter: this rank's partition, in the module's dtype."""
     opt = engine.optimizer
     pnumel = int(p.partition_numel())
@@ -211,14 +236,14 @@ def _zero3_frozen(engine: Any, p: Any) -> FlatShard | None:
     return FlatShard(p.ds_tensor.detach().view(-1).narrow(0, 0, n), tuple(p.ds_shape), start) if n else None
 
 
-def _model_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
+def _model_leaves(engine: Engine, ps: list[Piece]) -> dict[str, object]:
     """``model/``: the fp32 master of every trainable parameter (under each of its
     names, tied weights included), frozen parameters as held, persistent buffers."""
     names = param_names(engine.module)
     by_fqn = {pc.fqn: pc for pc in ps}
     trainable = {fqn for row in _group_fqns(engine) for fqn in row}
     zero3 = _kind(engine) == "zero3"
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for prefix, mod in engine.module.named_modules(remove_duplicate=False):
         for n, p in mod._parameters.items():
             if p is None:
@@ -227,7 +252,7 @@ def _model_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
             own = names[id(p)]
             if own in trainable:
                 pc = by_fqn.get(own)
-                leaf: Any = pc.view(pc.key) if pc is not None else None  # None: this rank holds none of it
+                leaf: object = pc.view(pc.key) if pc is not None else None  # None: this rank holds none of it
             elif zero3 and hasattr(p, "ds_tensor"):
                 leaf = _zero3_frozen(engine, p)
             else:
@@ -240,14 +265,14 @@ def _model_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
     return out
 
 
-def _optimizer_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
+def _optimizer_leaves(engine: Engine, ps: list[Piece]) -> dict[str, object]:
     topt = torch_optimizer(engine)
-    state: dict[str, Any] = {}
+    state: dict[str, object] = {}
     for pc in ps:
         st = topt.state.get(pc.key)
         if not st:
             continue  # never stepped: DeepSpeed creates the state at the first step
-        row: dict[str, Any] = {}
+        row: dict[str, object] = {}
         for name, v in st.items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape == pc.key.shape:
                 row[name] = pc.view(v)
@@ -260,18 +285,18 @@ def _optimizer_leaves(engine: Any, ps: list[Piece]) -> dict[str, Any]:
                     "shardpoint saves DeepSpeed optimizers whose state is per element (Adam, AdamW, SGD momentum)"
                 )
         state[pc.fqn] = row
-    groups = []
+    groups: list[dict[str, object]] = []
     for g, fqns in zip(topt.param_groups, _group_fqns(engine), strict=True):
         groups.append(hyperparameters(g, fqns))
     return {"state": state, "param_groups": groups}
 
 
-def train_state_parts(engine: Any) -> dict[str, Any]:
+def train_state_parts(engine: Engine) -> dict[str, object]:
     """The nested state of a DeepSpeed engine (live views, no copies): ``model``,
     ``optimizer``, ``scheduler`` (if the engine has one) and ``engine``. Used by
     :func:`save` and by ``TrainState(model=engine)``."""
     ps = pieces(engine)
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "model": _model_leaves(engine, ps),
         "optimizer": _optimizer_leaves(engine, ps),
         "engine": {
@@ -286,7 +311,7 @@ def train_state_parts(engine: Any) -> dict[str, Any]:
 
 
 # -- loading ---------------------------------------------------------------------------------
-def prepare_train_state(engine: Any, entries: Mapping[str, Any], select: Callable[[str], bool]) -> list[str]:
+def prepare_train_state(engine: Engine, entries: Entries, select: Callable[[str], bool]) -> list[str]:
     """Before a load: create the optimizer state of an engine that has never stepped
     (zeros, laid out like DeepSpeed's flat partitions, as the optimizer's first step
     would), for every partition that the checkpoint has selected state for, so that
@@ -301,7 +326,7 @@ def prepare_train_state(engine: Any, entries: Mapping[str, Any], select: Callabl
     for key, kps in by_key.values():
         if topt.state.get(key):
             continue
-        found: dict[str, tuple[str, dict[str, Any]]] = {}
+        found: dict[str, tuple[str, Entry]] = {}
         for pc in kps:
             for name, ke in saved.of(pc.fqn).items():
                 found.setdefault(name, ke)
@@ -313,22 +338,22 @@ def prepare_train_state(engine: Any, entries: Mapping[str, Any], select: Callabl
             want.update(dict.fromkeys(_ADAM_STATE))
             if topt.param_groups[kps[0].group].get("amsgrad"):
                 want["max_exp_avg_sq"] = None
-        new: dict[str, Any] = {}
+        new: dict[str, object] = {}
         for name in want:
-            ke = found.get(name)
-            if ke is None:  # Adam state the checkpoint lacks: as Adam's first step makes it
+            hit = found.get(name)
+            if hit is None:  # Adam state the checkpoint lacks: as Adam's first step makes it
                 new[name] = torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(key).detach()
-            elif ke[1]["kind"] != "tensor":
+            elif hit[1]["kind"] != "tensor":
                 new[name] = 0  # a plain value, set from the checkpoint by apply_train_state
-            elif name != "step" and tuple(ke[1]["shape"]) == kps[0].shape:  # per element: like the partition
+            elif name != "step" and tuple(hit[1]["shape"]) == kps[0].shape:  # per element: like the partition
                 new[name] = torch.zeros_like(key, memory_format=torch.preserve_format).detach()
             else:  # a scalar (step) or another shape: as saved
-                new[name] = zeros_like_entry(ke[0], ke[1], None)
+                new[name] = zeros_like_entry(hit[0], hit[1], None)
         topt.state[key] = new
     return created
 
 
-def apply_train_state(engine: Any, sd: Mapping[str, Any]) -> None:
+def apply_train_state(engine: Engine, sd: Mapping[str, object]) -> None:
     """After the tensors were filled in place: set hyperparameters, plain optimizer
     values and the engine's counters. Not collective; :func:`finish_load` (collective)
     must follow to refresh the low-precision weights."""
@@ -351,7 +376,7 @@ def apply_train_state(engine: Any, sd: Mapping[str, Any]) -> None:
 
 
 @torch.no_grad()
-def finish_load(engine: Any) -> None:
+def finish_load(engine: Engine) -> None:
     """Collective over the engine's data-parallel group: copy the fp32 masters into
     the module's low-precision weights (all-gathering ZeRO-1/2 partitions, gathering
     ZeRO-3 persistent parameters) and link DeepSpeed's per-parameter views of the
@@ -388,7 +413,9 @@ class EngineAdapter(Adapter):
 
     transient = ("model", "optimizer", "engine")
 
-    def __init__(self, owner: Any, *, optimizer: Any = None, key_map: Any = None) -> None:
+    owner: Engine
+
+    def __init__(self, owner: Engine, *, optimizer: object = None, key_map: KeyMap | None = None) -> None:
         super().__init__(owner, optimizer=optimizer, key_map=key_map)
         if key_map is not None:
             raise ShardpointError(
@@ -401,13 +428,13 @@ class EngineAdapter(Adapter):
                 "engine saves its own optimizer (engine.optimizer): leave optimizer= out"
             )
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         return train_state_parts(self.owner)
 
-    def prepare_load(self, entries: Mapping[str, Any], select: Callable[[str], bool]) -> list[str]:
+    def prepare_load(self, entries: Entries, select: Callable[[str], bool]) -> list[str]:
         return prepare_train_state(self.owner, entries, select)
 
-    def apply(self, sd: Mapping[str, Any]) -> None:
+    def apply(self, sd: Mapping[str, object]) -> None:
         apply_train_state(self.owner, sd)
 
     def finish_load(self) -> None:
@@ -427,7 +454,7 @@ class EngineState(TrainState):
             (dropout masks continue exactly on the same world size).
     """
 
-    def __init__(self, engine: Any, client_state: dict[str, Any] | None = None, *, rng: bool | int = True) -> None:
+    def __init__(self, engine: Engine, client_state: dict[str, Any] | None = None, *, rng: bool | int = True) -> None:
         super().__init__(model=engine, rng=rng)
         self.engine = engine
         self.client_state = client_state
@@ -452,7 +479,7 @@ class EngineState(TrainState):
 
 # -- the public API ----------------------------------------------------------------------------
 def save(
-    engine: Any,
+    engine: Engine,
     path: str | os.PathLike[str],
     *,
     client_state: dict[str, Any] | None = None,
@@ -478,7 +505,7 @@ def save(
 
 
 def load(
-    engine: Any,
+    engine: Engine,
     path: str | os.PathLike[str],
     *,
     client_state: dict[str, Any] | None = None,

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as _RichProgress
+    from rich.progress import TaskID
 
 
 class Progress:
@@ -14,8 +18,8 @@ class Progress:
     when rich is not installed (it is a dependency; a stripped environment still converts)."""
 
     def __init__(self, total: int, what: str, *, enabled: bool = True, unit: str = "bytes") -> None:
-        self._bar: Any = None
-        self._task: Any = None
+        self._bar: _RichProgress | None = None
+        self._task: TaskID | None = None
         if not enabled or not sys.stderr.isatty():
             return
         try:
@@ -45,7 +49,7 @@ class Progress:
 
     def advance(self, n: int = 1) -> None:
         """Count ``n`` more units done."""
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:  # both set together
             self._bar.advance(self._task, n)
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

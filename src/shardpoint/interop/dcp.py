@@ -28,7 +28,7 @@ import os
 import pickle
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -36,6 +36,18 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Shardpoint
 from ..layout import FlatShard
 from ..tree import decode_key, encode_key
 from ._progress import Progress
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        STATE_DICT_TYPE,
+        Metadata,
+        StorageMeta,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import WriteItem
+
+    from ..api import PathLike, TensorInfo
 
 __all__ = ["import_dcp", "export_dcp", "read_metadata", "SAFE_CLASSES"]
 
@@ -64,11 +76,11 @@ SAFE_CLASSES = frozenset({
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: Any, where: str) -> None:
+    def __init__(self, f: IO[bytes], where: str) -> None:
         super().__init__(f)
         self.where = where
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         full = f"{module}.{name}"
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -82,7 +94,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_metadata(path: str | os.PathLike[str]) -> Any:
+def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     """The ``torch.distributed.checkpoint.metadata.Metadata`` of the DCP directory at
     ``path``, unpickled with DCP's classes only (anything else raises
     :class:`~shardpoint.ShardpointError` naming the class, before it is imported)."""
@@ -121,10 +133,11 @@ def _contiguous_start(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: t
     return start
 
 
-def _blob(root: str, info: Any, where: str) -> Any:
-    if getattr(info, "transform_descriptors", None):
+def _blob(root: str, info: _StorageInfo, where: str) -> object:
+    descriptors = getattr(info, "transform_descriptors", None)  # absent from older torch's _StorageInfo
+    if descriptors:
         raise ShardpointError(
-            f"{where} is stored with DCP transforms {list(info.transform_descriptors)} (compression or encryption), "
+            f"{where} is stored with DCP transforms {list(descriptors)} (compression or encryption), "
             "which this importer does not read; load the checkpoint with torch.distributed.checkpoint and save it "
             "again without extensions"
         )
@@ -149,25 +162,25 @@ def _blob(root: str, info: Any, where: str) -> Any:
         ) from None
 
 
-def _paths(meta: Any) -> dict[str, tuple[Any, ...]]:
+def _paths(meta: Metadata) -> dict[str, tuple[str | int, ...]]:
     """Flattened DCP key -> the nested path it came from (planner data of the
     default planner; a key without one is kept as a single segment)."""
     pd = meta.planner_data if isinstance(meta.planner_data, dict) else {}
-    out = {}
+    out: dict[str, tuple[str | int, ...]] = {}
     for fqn in meta.state_dict_metadata:
         p = pd.get(fqn)
         out[fqn] = tuple(p) if isinstance(p, (tuple, list)) and p else (fqn,)
     return out
 
 
-def _put(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
+def _put(root: dict[str | int, object], path: tuple[str | int, ...], value: object) -> None:
     node = root
     for seg in path[:-1]:
-        node = node.setdefault(seg, {})
+        node = cast("dict[str | int, object]", node.setdefault(seg, {}))  # only dicts are put on a path
     node[path[-1]] = value
 
 
-def _lists(node: Any) -> Any:
+def _lists(node: object) -> object:
     """DCP flattens a list into int path segments: a dict whose keys are exactly
     0..n-1 becomes the list it was (``optim/param_groups``)."""
     if not isinstance(node, dict):
@@ -180,20 +193,21 @@ def _lists(node: Any) -> Any:
 
 def _rank_of(files: list[str]) -> dict[str, int]:
     if all(_RANK_FILE.match(f) for f in files):
-        return {f: int(_RANK_FILE.match(f).group(1)) for f in files}  # type: ignore[union-attr]
+        return {f: int(m.group(1)) for f in files if (m := _RANK_FILE.match(f))}  # every f matches
     return {f: i for i, f in enumerate(sorted(files))}
 
 
-def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator[tuple[int, dict[str, Any]]]]:
+def _dcp_rank_states(root: str, meta: Metadata, bar: Progress) -> tuple[int, Iterator[tuple[int, object]]]:
     paths = _paths(meta)
     # (fqn, offsets) -> storage info
-    where: dict[tuple[str, tuple[int, ...]], Any] = {}
+    where: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {}
     for idx, info in (meta.storage_data or {}).items():
         where[(idx.fqn, tuple(idx.offset) if idx.offset is not None else ())] = info
     files = sorted({info.relative_path for info in where.values()})
     rank_of = _rank_of(files)
     world = max(rank_of.values(), default=0) + 1
     # per rank: (fqn, kind, payload) items, kind "full" | "flat" | "gather" | "bytes" | "empty"
+    # Any: the payload's shape is the kind's (unpacked by states() below)
     plan: list[list[tuple[str, str, Any]]] = [[] for _ in range(world)]
     for fqn, md in meta.state_dict_metadata.items():
         if not hasattr(md, "chunks"):  # BytesStorageMetadata
@@ -202,8 +216,9 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
                 raise CorruptCheckpointError(f"{root}/{METADATA} lists {fqn!r} but no file holds it")
             plan[rank_of[info.relative_path]].append((fqn, "bytes", info))
             continue
+        md = cast("TensorStorageMetadata", md)  # it has chunks: not BytesStorageMetadata
         shape = tuple(int(s) for s in md.size)
-        boxes = []
+        boxes: list[tuple[tuple[int, ...], tuple[int, ...], _StorageInfo]] = []
         for c in md.chunks:
             off, size = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
             info = where.get((fqn, off))
@@ -223,11 +238,12 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
         else:  # a rank holds two boxes, or a box is not one run: assemble the tensor on its first writer
             plan[owners[0]].append((fqn, "gather", (shape, md.properties.dtype, boxes)))
 
-    def states() -> Iterator[tuple[int, dict[str, Any]]]:
+    def states() -> Iterator[tuple[int, object]]:
         for r in range(world):
-            state: dict[Any, Any] = {}
+            state: dict[str | int, object] = {}
             for fqn, kind, payload in plan[r]:
                 label = f"DCP key {fqn!r}"
+                value: object
                 if kind == "bytes":
                     value = _blob(root, payload, label)
                     bar.advance(payload.length)
@@ -244,10 +260,10 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
                     value = torch.empty(payload[0], dtype=payload[1])
                 else:
                     shape, dtype, boxes = payload
-                    value = torch.empty(shape, dtype=dtype)
+                    value = whole = torch.empty(shape, dtype=dtype)
                     for off, size, info in boxes:
                         t = _tensor(_blob(root, info, label), size, label)
-                        value[tuple(slice(o, o + s) for o, s in zip(off, size))] = t
+                        whole[tuple(slice(o, o + s) for o, s in zip(off, size))] = t
                         bar.advance(info.length)
                 _put(state, paths[fqn], value)
             yield r, _lists(state)
@@ -256,14 +272,14 @@ def _dcp_rank_states(root: str, meta: Any, bar: Progress) -> tuple[int, Iterator
     return world, states()
 
 
-def _tensor(t: Any, size: tuple[int, ...], where: str) -> torch.Tensor:
+def _tensor(t: object, size: tuple[int, ...], where: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(size):
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise CorruptCheckpointError(f"{where}: the data file holds {got} where the metadata says a tensor of {tuple(size)}")
     return t.contiguous()
 
 
-def import_dcp(src: str | os.PathLike[str], dst: Any, *, progress: bool = True, overwrite: bool = False,
+def import_dcp(src: str | os.PathLike[str], dst: PathLike, *, progress: bool = True, overwrite: bool = False,
                storage_options: dict[str, Any] | None = None) -> int:
     """Convert the DCP directory ``src`` into a shardpoint checkpoint at ``dst``.
 
@@ -297,7 +313,7 @@ class _Source:
     """Reads tensors of a shardpoint checkpoint in groups of about READ_BUDGET bytes,
     in the order asked, keeping at most one group in memory."""
 
-    def __init__(self, path: Any, tensors: dict[str, Any], storage_options: dict[str, Any] | None, bar: Progress) -> None:
+    def __init__(self, path: PathLike, tensors: dict[str, TensorInfo], storage_options: dict[str, Any] | None, bar: Progress) -> None:
         self.path, self.tensors, self.opts, self.bar = path, tensors, storage_options, bar
         self.order = list(tensors)
         self.pos = {k: i for i, k in enumerate(self.order)}
@@ -308,7 +324,8 @@ class _Source:
 
         if key not in self.cache:
             self.cache.clear()
-            group, size = [], 0
+            group: list[str] = []
+            size = 0
             for k in self.order[self.pos[key]:]:
                 if group and size + self.tensors[k].nbytes > READ_BUDGET:
                     break
@@ -322,13 +339,13 @@ class _Source:
         return t
 
 
-def _lookup(tree: Any, path: tuple[Any, ...]) -> Any:
+def _lookup(tree: Any, path: tuple[str | int, ...]) -> Any:  # Any: a loaded tree, indexed along a path it has
     for seg in path:
         tree = tree[seg]
     return tree
 
 
-def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
+def export_dcp(src: PathLike, dst: str | os.PathLike[str], *, progress: bool = True,
                storage_options: dict[str, Any] | None = None) -> list[str]:
     """Write the shardpoint checkpoint ``src`` as a DCP directory ``dst`` that
     ``torch.distributed.checkpoint.load`` reads on any number of ranks.
@@ -363,13 +380,14 @@ def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
         names: dict[str, str] = {}  # DCP's flattened name -> shardpoint key
 
         class _Planner(DefaultSavePlanner):
-            def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+            def set_up_planner(self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None,
+                               is_coordinator: bool = False) -> None:
                 super().set_up_planner(state_dict, storage_meta, is_coordinator)
                 mappings = getattr(self, "mappings", {}) or {}
                 for fqn, path in mappings.items():
                     names[fqn] = encode_key(tuple(path))
 
-            def resolve_data(self, write_item: Any) -> Any:
+            def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
                 fqn = write_item.index.fqn
                 key = names.get(fqn)
                 if key is not None and key in m.tensors:
@@ -383,7 +401,8 @@ def export_dcp(src: Any, dst: str | os.PathLike[str], *, progress: bool = True,
     return sorted(m.per_rank)
 
 
-def _put_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+# Any: dicts and lists along the path, indexed by its segments (str or int for a dict, int for a list)
+def _put_path(root: Any, path: tuple[Any, ...], value: object) -> None:
     node = root
     for seg in path[:-1]:
         if isinstance(node, list):

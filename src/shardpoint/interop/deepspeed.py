@@ -21,7 +21,7 @@ import math
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,7 @@ class fragment_address:  # noqa: N801 - DeepSpeed's name
 #: The classes DeepSpeed 0.19's ZeRO checkpoints contain besides tensors and builtins,
 #: each mapped to a local stand-in: reading a checkpoint never imports (or runs)
 #: DeepSpeed code, and works where DeepSpeed is not installed.
-_STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+_STAND_INS: list[Callable[..., object] | tuple[Callable[..., object], str]] = [
     (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
@@ -81,7 +81,7 @@ _STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
 SAFE_GLOBALS = [entry[1] for entry in _STAND_INS if isinstance(entry, tuple)]
 
 
-def load_file(path: str) -> Any:
+def load_file(path: str) -> Any:  # Any: what DeepSpeed pickled (a dict, read by its known keys)
     """``torch.load`` one DeepSpeed file: weights only, memory-mapped, allowlisted classes."""
     try:
         with torch.serialization.safe_globals(_STAND_INS):
@@ -111,7 +111,7 @@ class DeepSpeedCheckpoint:
     model_files: list[str]  # one (stage 1/2) or one per rank (stage 3)
 
 
-def _natural(name: str) -> list[Any]:
+def _natural(name: str) -> list[int | str]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -146,14 +146,15 @@ def inspect(src: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedChe
         )
     if any(not n.endswith("mp_rank_00_optim_states.pt") for n in optim):
         raise ShardpointError(f"{folder}: model-parallel checkpoints (mp_rank > 0) are not supported")
-    by_rank = {int(re.search(r"zero_pp_rank_(\d+)_", n).group(1)): os.path.join(folder, n) for n in optim}  # type: ignore[union-attr]
+    # every name matched the pattern above, so the search finds the rank in each
+    by_rank = {int(m.group(1)): os.path.join(folder, n) for n in optim if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
     world = len(by_rank)
     if sorted(by_rank) != list(range(world)):
         raise ShardpointError(f"{folder}: optimizer files for ranks {sorted(by_rank)}; expected ranks 0..{world - 1}")
     z3_models = [n for n in names if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt", n)]
     if z3_models:
         stage = 3
-        models = {int(re.search(r"zero_pp_rank_(\d+)_", n).group(1)): os.path.join(folder, n) for n in z3_models}  # type: ignore[union-attr]
+        models = {int(m.group(1)): os.path.join(folder, n) for n in z3_models if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
         if sorted(models) != list(range(world)):
             raise ShardpointError(f"{folder}: ZeRO-3 model-states files for ranks {sorted(models)}; expected 0..{world - 1}")
         model_files = [models[r] for r in range(world)]
@@ -166,13 +167,14 @@ def inspect(src: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedChe
 
 
 # -- one old rank's state ---------------------------------------------------------------------------
-def _numel(shape: Any) -> int:
+def _numel(shape: Iterable[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def _global_state(model_sd: dict[str, Any], groups: list[dict[str, Any]], group_fqns: list[list[str]]) -> dict[str, Any]:
+# model_sd, osd and the optimizer states below are DeepSpeed's files as loaded (Any: read by their known keys)
+def _global_state(model_sd: dict[str, Any], groups: list[dict[str, Any]], group_fqns: list[list[str]]) -> dict[str, object]:
     """What rank 0 writes once: param_groups, scheduler, counters, client state."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if groups:  # an elastic checkpoint keeps no param_groups
         pgs = []
         for g, fqns in zip(groups, group_fqns, strict=True):
@@ -193,7 +195,7 @@ def _global_state(model_sd: dict[str, Any], groups: list[dict[str, Any]], group_
     return out
 
 
-def _buffers(model_sd: dict[str, Any]) -> dict[str, Any]:
+def _buffers(model_sd: dict[str, Any]) -> dict[str, object]:
     names = set(model_sd.get("buffer_names") or [])
     return {canonical_name(k): v for k, v in (model_sd.get("module") or {}).items() if k in names}
 
@@ -221,8 +223,9 @@ def _slices(rank_flat_lo: int, n: int, layout: list[tuple[str, tuple[int, ...], 
             yield fqn, shape, a - off, a - rank_flat_lo, b - a
 
 
-def _state_leaves(state: dict[str, Any], flat_numel: int, fqn: str, shape: tuple[int, ...], start: int, pos: int, n: int) -> dict[str, Any]:
-    row: dict[str, Any] = {}
+def _state_leaves(state: Mapping[str, object], flat_numel: int, fqn: str, shape: tuple[int, ...], start: int, pos: int,
+                  n: int) -> dict[str, object]:
+    row: dict[str, object] = {}
     for name, v in state.items():
         if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat_numel and v.numel() > 0:
             row[name] = FlatShard(v.narrow(0, pos, n), shape, start)
@@ -233,7 +236,7 @@ def _state_leaves(state: dict[str, Any], flat_numel: int, fqn: str, shape: tuple
     return row
 
 
-def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], cursor: list[int]) -> dict[str, Any]:
+def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], cursor: list[int]) -> dict[str, object]:
     """Stage 1/2 (and BF16_Optimizer): rank ``rank`` holds elements
     ``[cursor[g], cursor[g] + n)`` of group g's unpadded flat vector (ranks' unpadded
     partitions are consecutive, as zero_to_fp32 concatenates them)."""
@@ -241,10 +244,11 @@ def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], c
     fp32 = osd["single_partition_of_fp32_groups"]
     states, groups = _base_state(osd)
     paddings = osd.get("param_alignment_paddings")
-    model: dict[str, Any] = {}
-    opt_state: dict[str, Any] = {}
+    model: dict[str, object] = {}
+    opt_state: dict[str, object] = {}
     for g, shapes in enumerate(model_sd["param_shapes"]):
-        layout, off = [], 0
+        layout: list[tuple[str, tuple[int, ...], int]] = []
+        off = 0
         for j, (name, shape) in enumerate(shapes.items()):
             layout.append((canonical_name(name), tuple(int(s) for s in shape), off))
             off += _numel(shape) + (paddings[g][j] if paddings is not None else 0)
@@ -254,26 +258,26 @@ def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], c
             if g < len(states) and states[g]:
                 opt_state[fqn] = _state_leaves(states[g], flat.numel(), fqn, shape, start, pos, n)
         cursor[g] += flat.numel()
-    out: dict[str, Any] = {"model": model, "optimizer": {"state": opt_state}}
+    out: dict[str, object] = {"model": model, "optimizer": {"state": opt_state}}
     if rank == 0:
         fqns = [[canonical_name(n) for n in shapes] for shapes in model_sd["param_shapes"]]
-        _merge(out, _global_state(model_sd, groups, fqns))
+        _merge(out, _global_state(model_sd, groups, fqns))  # no "model" in it: out["model"] stays model
         for name, t in (model_sd.get("frozen_param_fragments") or {}).items():
-            out["model"][canonical_name(name)] = t
-        out["model"].update(_buffers(model_sd))
-    _shared(out["model"], model_sd)
+            model[canonical_name(name)] = t
+        model.update(_buffers(model_sd))
+    _shared(model, model_sd)
     return out
 
 
-def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any]) -> dict[str, Any]:
+def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any]) -> dict[str, object]:
     """Stage 3: every parameter is partitioned on its own into ``ceil(numel / world)``
     elements per rank; a rank's flat groups hold its partitions back to back."""
     world = ck.world_size
     osd = load_file(ck.optim_files[rank])["optimizer_state_dict"]
     flats = osd["fp32_flat_groups"]
     states, groups = _base_state(osd)
-    model: dict[str, Any] = {}
-    opt_state: dict[str, Any] = {}
+    model: dict[str, object] = {}
+    opt_state: dict[str, object] = {}
     if len(model_sd["param_shapes"]) != len(flats):
         raise ShardpointError(
             f"{ck.optim_files[rank]} holds {len(flats)} flat groups but the model states name {len(model_sd['param_shapes'])}; "
@@ -303,35 +307,35 @@ def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any]) ->
         n = max(0, min(pn, _numel(shape) - rank * pn))
         if n:
             model[canonical_name(name)] = FlatShard(frag.reshape(-1).narrow(0, 0, n), shape, rank * pn)
-    out: dict[str, Any] = {"model": model, "optimizer": {"state": opt_state}}
+    out: dict[str, object] = {"model": model, "optimizer": {"state": opt_state}}
     if rank == 0:
         # param groups list the sub-groups (flat groups) they own, by index
         fqns: list[list[str]] = [[] for _ in groups]
         owner = {int(i): gi for gi, g in enumerate(groups) for i in g.get("params", [])}
         for i, d in enumerate(model_sd["param_shapes"]):
             fqns[owner.get(i, 0)] += [canonical_name(n) for n in d]
-        _merge(out, _global_state(model_sd, groups, fqns))
-        out["model"].update(_buffers(model_sd))
-    _shared(out["model"], model_sd)
+        _merge(out, _global_state(model_sd, groups, fqns))  # no "model" in it: out["model"] stays model
+        model.update(_buffers(model_sd))
+    _shared(model, model_sd)
     return out
 
 
-def _shared(model: dict[str, Any], model_sd: dict[str, Any]) -> None:
+def _shared(model: dict[str, object], model_sd: dict[str, Any]) -> None:
     """Tied weights: DeepSpeed saves one and names the other in ``shared_params``."""
     for alias, source in (model_sd.get("shared_params") or {}).items():
         if canonical_name(source) in model:
             model[canonical_name(alias)] = model[canonical_name(source)]
 
 
-def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+def _merge(into: dict[str, object], extra: Mapping[str, object]) -> None:
     for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
+        if isinstance(v, dict) and isinstance(here := into.get(k), dict):  # here is into[k]
+            _merge(here, v)
         else:
             into[k] = v
 
 
-def rank_states(ck: DeepSpeedCheckpoint, progress: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+def rank_states(ck: DeepSpeedCheckpoint, progress: bool = False) -> Iterator[tuple[int, dict[str, object]]]:
     """``(rank, state)`` for each old rank, reading one rank's files at a time."""
     cursor: list[int] = []
     model0: dict[str, Any] | None = None

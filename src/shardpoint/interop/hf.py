@@ -26,7 +26,7 @@ import re
 import shutil
 import struct
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from ..format.datafile import DTYPES, dtype_name, tensor_bytes
 from ..tree import decode_key
 from ._progress import Progress
 
+if TYPE_CHECKING:
+    from ..api import PathLike
+
 __all__ = ["export_hf", "import_hf", "parse_size", "READ_BUDGET"]
 
 SINGLE = "model.safetensors"
@@ -43,6 +46,7 @@ INDEX = "model.safetensors.index.json"
 #: Most tensor bytes read from the checkpoint at once while exporting.
 READ_BUDGET = 256 << 20
 _CODES = {v: k for k, v in DTYPES.items() if v is not None}
+_CODE_OF = {k: v for k, v in DTYPES.items() if v is not None}  # DTYPES without the dtypes safetensors lacks
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
@@ -74,7 +78,7 @@ def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callab
 
 # -- export -------------------------------------------------------------------------------------------
 def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
-    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    head: dict[str, object] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, code, shape, n in entries:
         head[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
@@ -85,7 +89,7 @@ def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
 
 
 def export_hf(
-    src: Any,
+    src: PathLike,
     dst: str | os.PathLike[str],
     *,
     prefix: str = "model/",
@@ -155,13 +159,14 @@ def export_hf(
     total = sum(r[4] for r in rows)
     with Progress(total, f"exporting {os.fspath(dst)}", enabled=progress) as bar:
         for fname, idx in zip(names, shards):
-            entries = [(rows[i][1], DTYPES[dtype_name(rows[i][2])], rows[i][3], rows[i][4]) for i in idx]
+            entries = [(rows[i][1], _CODE_OF[dtype_name(rows[i][2])], rows[i][3], rows[i][4]) for i in idx]
             tmp = os.path.join(dst, f".{fname}.tmp")
             with open(tmp, "wb") as f:
-                f.write(_header(entries))  # type: ignore[arg-type]
+                f.write(_header(entries))
                 j = 0
                 while j < len(idx):  # read a group of tensors, write it, drop it
-                    group, budget = [], 0
+                    group: list[int] = []
+                    budget = 0
                     while j < len(idx) and (not group or budget + rows[idx[j]][4] <= READ_BUDGET):
                         group.append(idx[j])
                         budget += rows[idx[j]][4]
@@ -180,12 +185,12 @@ def export_hf(
     # a previous export's other layout (or shard count) would shadow or litter this one
     stale = [f for f in os.listdir(dst) if (f in (SINGLE, INDEX) or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f))
              and f not in names]
-    for f in stale:
-        os.remove(os.path.join(dst, f))
+    for old in stale:
+        os.remove(os.path.join(dst, old))
     if n > 1:
         weight_map = {rows[i][1]: fname for fname, idx in zip(names, shards) for i in idx}
-        with open(os.path.join(dst, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+        with open(os.path.join(dst, INDEX), "w") as index:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, index, indent=2, sort_keys=True)
         written.append(INDEX)
     if config is not None:
         cfg = os.fspath(config)
@@ -198,7 +203,7 @@ def export_hf(
     return written
 
 
-def _lookup(tree: Any, path: tuple[Any, ...]) -> Any:
+def _lookup(tree: Any, path: tuple[str | int, ...]) -> Any:  # Any: a loaded tree, indexed along a path it has
     for seg in path:
         tree = tree[seg]
     return tree
@@ -250,15 +255,15 @@ def _open(path: str) -> dict[str, torch.Tensor]:
     mm = np.memmap(path, dtype=np.uint8, mode="c") if size > 0 else np.zeros(0, np.uint8)
     base = 8 + hlen
     out: dict[str, torch.Tensor] = {}
-    for name, e in header.items():
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
-        code = e.get("dtype")
+        code = entry.get("dtype")
         if code not in _CODES:
             raise ShardpointError(f"{path}: tensor {name!r} has dtype {code!r}, which shardpoint does not read")
         dt = getattr(torch, _CODES[code])
-        shape = tuple(int(s) for s in e["shape"])
-        a, b = (int(x) for x in e["data_offsets"])
+        shape = tuple(int(s) for s in entry["shape"])
+        a, b = (int(x) for x in entry["data_offsets"])
         need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if b - a != need or base + b > size or a < 0:
             raise CorruptCheckpointError(f"{path}: tensor {name!r} claims bytes {a}..{b}, which do not fit {code}{list(shape)} or the file")
@@ -298,7 +303,7 @@ def _tied(folder: str, names: set[str]) -> dict[str, str]:
 
 def import_hf(
     src: str | os.PathLike[str],
-    dst: Any,
+    dst: PathLike,
     *,
     prefix: str = "model/",
     key_map: Mapping[str, str] | Callable[[str], str] | None = None,
@@ -340,10 +345,10 @@ def import_hf(
         if stored not in weights:
             raise ShardpointError(f"tie={{{alias!r}: {stored!r}}}: {stored!r} is not in the weights")
         weights.setdefault(alias, weights[stored])
-    state: dict[Any, Any] = {}
+    state: dict[str | int, object] = {}
     node = state
     for seg in ppath:
-        node = node.setdefault(seg, {})
+        node = cast("dict[str | int, object]", node.setdefault(seg, {}))  # only dicts are put on this path
     node.update(weights) if ppath else state.update(weights)
     total = sum(os.path.getsize(f) for f in files)
     with Progress(total, f"importing {os.fspath(src)}", enabled=progress) as bar:

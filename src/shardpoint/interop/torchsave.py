@@ -12,16 +12,19 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import CheckpointNotFoundError, ShardpointError
 
+if TYPE_CHECKING:
+    from ..api import PathLike
+
 __all__ = ["import_torch", "read_torch"]
 
 
-def read_torch(path: str | os.PathLike[str]) -> Any:
+def read_torch(path: str | os.PathLike[str]) -> Any:  # Any: what the file holds, as torch.load returns it
     """``torch.load`` the file at ``path`` with weights only and memory-mapped.
 
     Raises:
@@ -54,7 +57,7 @@ def read_torch(path: str | os.PathLike[str]) -> Any:
         ) from None
 
 
-def import_torch(src: str | os.PathLike[str], dst: Any, *, key: str | None = None, overwrite: bool = False,
+def import_torch(src: str | os.PathLike[str], dst: PathLike, *, key: str | None = None, overwrite: bool = False,
                  storage_options: dict[str, Any] | None = None) -> None:
     """Convert the ``torch.save`` file ``src`` into a shardpoint checkpoint at ``dst``.
 
