@@ -62,13 +62,27 @@ class S3Objects:
     # -- writes ---------------------------------------------------------------
 
     def put(self, bucket: str, key: str, url: str, data: bytes | bytearray) -> None:
-        """One ``PutObject`` (retried: the same bytes again)."""
+        """One ``PutObject`` (retried: the same bytes again). When every attempt
+        failed, the object may still hold them (a request applied whose answer was
+        lost each time): if it does (same size, ETag = their MD5), the write is done."""
         body = data
 
         async def once(_attempt: int) -> None:
             await self._call("put_object", Bucket=bucket, Key=key, Body=body)
 
-        self._run(retry_async(self.retry, "writing", url, once))
+        try:
+            self._run(retry_async(self.retry, "writing", url, once))
+        except ObjectStoreError:
+            try:
+                info = self.head(bucket, key, url)
+            except Exception:  # noqa: BLE001 - the write's own error is the one to raise
+                info = None
+            if (
+                info is None
+                or int(info.get("ContentLength", -1)) != len(data)
+                or str(info.get("ETag", "")).strip('"') != hashlib.md5(data).hexdigest()
+            ):
+                raise
 
     def write(self, bucket: str, key: str, url: str, parts: Iterable[bytes | memoryview]) -> int:
         """Stream ``parts`` to one object: a ``PutObject`` when it all fits in one
@@ -292,25 +306,41 @@ class _Upload:
                 raise
             self.checked = True
 
-        self.ops._run(retry_async(self.ops.retry, "completing the upload of", self.url, once))
+        try:
+            self.ops._run(retry_async(self.ops.retry, "completing the upload of", self.url, once))
+        except ObjectStoreError:
+            try:  # every answer was lost: one of the attempts may still have completed it
+                info = self.ops.head(self.bucket, self.key, self.url)
+            except Exception:  # noqa: BLE001 - the completion's own error is the one to raise
+                info = None
+            if not self._is_ours(info):
+                raise
+            self.checked = True
         if not self.checked:
-            self._check_completed()
+            info = self.ops.head(self.bucket, self.key, self.url)
+            if not self._is_ours(info):
+                raise ObjectStoreError(
+                    f"completing the upload of {self.url}: the store answered NoSuchUpload to a retry, and the "
+                    f"object {'does not exist' if info is None else 'is not the one uploaded (ETag ' + str(info.get('ETag')) + ')'}; "
+                    "the data file was not written. Save again"
+                )
         self.upload_id = None
         if self.create_retried:
             self._sweep(None)
 
-    def _check_completed(self) -> None:
-        info = self.ops.head(self.bucket, self.key, self.url)
+    def _is_ours(self, info: dict[str, Any] | None) -> bool:
+        """Whether ``info`` (a HeadObject answer) is the object these parts make: its
+        ETag is the MD5 of the parts' MD5s with the part count, or (stores whose part
+        ETags are not MD5s) at least the part count. The key belongs to this write."""
+        if info is None:
+            return False
         n = len(self.etags)
-        digest = hashlib.md5(b"".join(bytes.fromhex(self.etags[i].strip('"')) for i in sorted(self.etags)))
-        want = f'"{digest.hexdigest()}-{n}"'
-        if info is not None and (info.get("ETag") == want or str(info.get("ETag", "")).strip('"').endswith(f"-{n}")):
-            return
-        raise ObjectStoreError(
-            f"completing the upload of {self.url}: the store answered NoSuchUpload to a retry, and the object "
-            f"{'does not exist' if info is None else 'is not the one uploaded (ETag ' + str(info.get('ETag')) + ')'}; "
-            "the data file was not written. Save again"
-        )
+        etag = str(info.get("ETag", "")).strip('"')
+        try:
+            md5s = b"".join(bytes.fromhex(self.etags[i].strip('"')) for i in sorted(self.etags))
+        except ValueError:  # part ETags that are not MD5s (some encryption modes)
+            return etag.endswith(f"-{n}")
+        return etag == f"{hashlib.md5(md5s).hexdigest()}-{n}"
 
     def abort(self, cause: BaseException) -> None:
         """Drop the upload after ``cause``: wait for the parts in flight, abort it,
