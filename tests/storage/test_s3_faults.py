@@ -22,7 +22,6 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -156,14 +155,11 @@ def _trials(rank: int, world: int, kind: str, proxy_url: str, direct: dict[str, 
     return out
 
 
-@pytest.fixture(scope="module")
-def proxy(s3_endpoint: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(s3_endpoint.endpoint_url, stall_s=BOUND) as p:
-        yield p
-
-
 @pytest.mark.parametrize("kind", KINDS)
-def test_faults_commit_right_or_fail_cleanly(kind: str, proxy: FaultProxy, s3_endpoint: S3Server, s3_bucket: str) -> None:
+def test_faults_commit_right_or_fail_cleanly(
+    kind: str, fault_proxy: FaultProxy, s3_endpoint: S3Server, s3_bucket: str
+) -> None:
+    proxy = fault_proxy
     direct = s3_endpoint.storage_options
     ranks = run_ranks(_trials, 2, kind, proxy.endpoint_url, direct, s3_bucket, TRIALS, env=ENV,
                       timeout=BOUND * (2 * TRIALS + 2))

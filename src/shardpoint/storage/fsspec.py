@@ -81,6 +81,10 @@ def _client_options(options: dict[str, Any], retry: Retry) -> None:
     config.setdefault("connect_timeout", retry.timeout)
     config.setdefault("read_timeout", retry.timeout)
     config.setdefault("max_pool_connections", 64)
+    # shardpoint checksums every block itself (CRC-32 in the index, verified on load):
+    # botocore's own CRC of each part would only cost CPU
+    config.setdefault("request_checksum_calculation", "when_required")
+    config.setdefault("response_checksum_validation", "when_required")
     options["config_kwargs"] = config
 
 

@@ -72,7 +72,9 @@ class S3Objects:
 
         try:
             self._run(retry_async(self.retry, "writing", url, once))
-        except ObjectStoreError:
+        except ObjectStoreError as e:
+            if not _lost_answers(e):
+                raise
             try:
                 info = self.head(bucket, key, url)
             except Exception:  # noqa: BLE001 - the write's own error is the one to raise
@@ -308,7 +310,9 @@ class _Upload:
 
         try:
             self.ops._run(retry_async(self.ops.retry, "completing the upload of", self.url, once))
-        except ObjectStoreError:
+        except ObjectStoreError as e:
+            if not _lost_answers(e):
+                raise
             try:  # every answer was lost: one of the attempts may still have completed it
                 info = self.ops.head(self.bucket, self.key, self.url)
             except Exception:  # noqa: BLE001 - the completion's own error is the one to raise
@@ -382,6 +386,12 @@ class _Upload:
 
         out: list[str] = self.ops._run(retry_async(self.ops.retry, "listing the uploads of", self.url, once))
         return out
+
+
+def _lost_answers(e: ObjectStoreError) -> bool:
+    """Whether the attempts ran out on transient errors (so one of them may have
+    been applied), not on an error that was not retried."""
+    return e.__cause__ is not None and transient(e.__cause__)
 
 
 def _total(resp: dict[str, Any]) -> int | None:
