@@ -32,8 +32,6 @@ from .retry import ObjectStoreError, Retry, error_code, retry_async, transient
 
 #: S3's smallest part (all but the last).
 MIN_PART = 5 << 20
-#: Reads larger than this are split into pieces of about this size, fetched concurrently.
-READ_PIECE = 16 << 20
 
 
 class S3Objects:
@@ -133,20 +131,25 @@ class S3Objects:
     # -- reads ----------------------------------------------------------------
 
     def read_into(self, bucket: str, key: str, url: str, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from ``offset`` with ranged GETs (concurrent pieces for a large
-        range). Raises :class:`CorruptCheckpointError` when the object is missing or
+        """Fill ``buf`` from ``offset`` with ranged GETs (a range larger than a block
+        in up to ``concurrency`` pieces fetched at once). Raises :class:`CorruptCheckpointError` when the object is missing or
         shorter than the range."""
         n = len(buf)
         if n == 0:
             return
-        pieces = max(1, min(self.concurrency, -(-n // READ_PIECE)))
+        pieces = max(1, min(self.concurrency, -(-n // max(self.block, MIN_PART))))
         step = -(-n // pieces)
 
         async def all_pieces() -> None:
-            await asyncio.gather(*[
+            # every piece ends (done or failed) before this returns: none writes into
+            # the caller's buffer afterwards
+            got = await asyncio.gather(*[
                 self._get_range(bucket, key, url, offset + a, buf[a : min(a + step, n)])
                 for a in range(0, n, step)
-            ])
+            ], return_exceptions=True)
+            for e in got:
+                if isinstance(e, BaseException):
+                    raise e
 
         self._run(all_pieces())
 
