@@ -35,15 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 MB = 1_000_000
 
 
-def _best(repeat: int, fn: Callable[[int], Any]) -> float:
-    times = []
-    for i in range(repeat):
-        t = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=256, help="state size in MB (default 256)")
@@ -73,10 +64,23 @@ def main() -> None:
         opts = s3.storage_options
         rows: list[tuple[str, str, str, float]] = []  # (what, layout, way, seconds)
         per, same = "a tensor per object", "shardpoint's objects"
+        todo: list[tuple[str, str, str, Callable[[int], Any]]] = []
 
         def add(what: str, layout: str, way: str, fn: Callable[[int], Any]) -> None:
-            rows.append((what, layout, way, _best(args.repeat, fn)))
-            print(f"  {way} {what}: {rows[-1][3]:.2f}s", flush=True)
+            """Queue a measurement; :func:`run_all` runs every queued one once per round,
+            so a busy spell of the shared machine hits all rows alike, not one."""
+            todo.append((what, layout, way, fn))
+
+        def run_all() -> None:
+            times: dict[int, list[float]] = {}
+            for r in range(args.repeat):
+                for j, (what, _, way, fn) in enumerate(todo):
+                    t = time.perf_counter()
+                    fn(r)
+                    times.setdefault(j, []).append(time.perf_counter() - t)
+                    print(f"  round {r}: {way} {what}: {times[j][-1]:.2f}s", flush=True)
+            rows.extend((what, lay, way, min(times[j])) for j, (what, lay, way, _) in enumerate(todo))
+            todo.clear()
 
         # -- shardpoint ------------------------------------------------------------------------
         def save(r: int) -> None:
@@ -90,9 +94,9 @@ def main() -> None:
         # warm up: the first storage creates its client session (and imports s3fs) once per process
         shardpoint.save({"w": torch.zeros(4)}, f"s3://{bucket}/warm", storage_options=opts)
         shardpoint.load_full(f"s3://{bucket}/warm", storage_options=opts)
-        add("shardpoint save / load", same, "save", save)
+        save(0)  # the objects the loads read (every save below writes a new prefix)
+        add("shardpoint save / load", same, "save", lambda r: save(r + 1))
         add("shardpoint save / load", same, "load", load)
-        assert all(torch.equal(target[k], state[k]) for k in state)
         data_key = next(k for k in s3.keys(bucket, "sp/0/") if k.endswith(".safetensors"))
         size = client.head_object(Bucket=bucket, Key=data_key)["ContentLength"]
         head = client.get_object(Bucket=bucket, Key=data_key, Range="bytes=0-7")["Body"].read()
@@ -116,18 +120,26 @@ def main() -> None:
             assert resp.status == 200, resp.status
             return got
 
-        add("raw HTTP, 1 connection", per, "save", lambda r: [raw("PUT", f"raw/{r}/{i}", b) for i, b in enumerate(blobs)])
+        for i, b in enumerate(blobs):  # what the loads below read
+            raw("PUT", f"raw/0/{i}", b)
+            raw("PUT", f"rawp/0/{i}", b)
+            client.put_object(Bucket=bucket, Key=f"single/0/{i}", Body=b)
+            client.put_object(Bucket=bucket, Key=f"par/0/{i}", Body=b)
+            client.put_object(Bucket=bucket, Key=f"s3fs/0/{i}", Body=b)
+        add("raw HTTP, 1 connection", per, "save", lambda r: [raw("PUT", f"raw/{r + 1}/{i}", b) for i, b in enumerate(blobs)])
         add("raw HTTP, 1 connection", per, "load", lambda r: [raw("GET", f"raw/0/{i}") for i in range(n)])
-        with ThreadPoolExecutor(n) as ex:
-            add(f"raw HTTP, {n} connections", per, "save",
-                lambda r: list(ex.map(lambda i: raw("PUT", f"rawp/{r}/{i}", blobs[i]), range(n))))
-            add(f"raw HTTP, {n} connections", per, "load",
-                lambda r: list(ex.map(lambda i: raw("GET", f"rawp/0/{i}"), range(n))))
+
+        def raw_parallel(method: str, prefix: str) -> None:
+            with ThreadPoolExecutor(n) as ex:
+                list(ex.map(lambda i: raw(method, f"{prefix}/{i}", blobs[i] if method == "PUT" else None), range(n)))
+
+        add(f"raw HTTP, {n} connections", per, "save", lambda r: raw_parallel("PUT", f"rawp/{r + 1}"))
+        add(f"raw HTTP, {n} connections", per, "load", lambda r: raw_parallel("GET", "rawp/0"))
 
         # -- boto3, one connection ---------------------------------------------------------------
         def put_single(r: int) -> None:
             for i, b in enumerate(blobs):
-                client.put_object(Bucket=bucket, Key=f"single/{r}/{i}", Body=b)
+                client.put_object(Bucket=bucket, Key=f"single/{r + 1}/{i}", Body=b)
 
         def get_single(r: int) -> None:
             for i in range(n):
@@ -158,7 +170,7 @@ def main() -> None:
 
         def put_objects_parallel(r: int) -> None:
             with ThreadPoolExecutor(args.threads) as ex:
-                list(ex.map(lambda i: pooled.put_object(Bucket=bucket, Key=f"par/{r}/{i}", Body=blobs[i]), range(n)))
+                list(ex.map(lambda i: pooled.put_object(Bucket=bucket, Key=f"par/{r + 1}/{i}", Body=blobs[i]), range(n)))
 
         def get_objects_parallel(r: int) -> None:
             with ThreadPoolExecutor(args.threads) as ex:
@@ -207,7 +219,7 @@ def main() -> None:
                                skip_instance_cache=True)
 
         def pipe(r: int) -> None:
-            fs.pipe({f"{bucket}/s3fs/{r}/{i}": b for i, b in enumerate(blobs)})
+            fs.pipe({f"{bucket}/s3fs/{r + 1}/{i}": b for i, b in enumerate(blobs)})
 
         def cat(r: int) -> None:
             got = fs.cat([f"{bucket}/s3fs/0/{i}" for i in range(n)])
@@ -215,6 +227,9 @@ def main() -> None:
 
         add("s3fs pipe / cat (its own concurrency)", per, "save", pipe)
         add("s3fs pipe / cat (its own concurrency)", per, "load", cat)
+        run_all()
+        shardpoint.load(target, f"s3://{bucket}/sp/0", storage_options=opts)
+        assert all(torch.equal(target[k], state[k]) for k in state)
 
     print(f"\n{total / MB:.0f} MB in {n} float32 tensors (shardpoint's data file: {size / MB:.0f} MB), loopback moto "
           f"S3 server, best of {args.repeat}; shardpoint part size {BLOCK_SIZE >> 20} MiB, {CONCURRENCY} parts / "

@@ -90,7 +90,7 @@ class S3Objects:
         Returns the number of bytes; the object exists when this returns."""
         block = max(self.block, MIN_PART)
         up = _Upload(self, bucket, key, url)
-        buf = bytearray(block)
+        buf = bytearray()  # grows to a block (a small file never allocates one); then blocks are reused
         filled = total = 0
         try:
             for part in parts:
@@ -99,7 +99,10 @@ class S3Objects:
                     view = view.cast("B")
                 while view:
                     n = min(block - filled, len(view))
-                    buf[filled : filled + n] = view[:n]
+                    if len(buf) >= filled + n:
+                        buf[filled : filled + n] = view[:n]
+                    else:
+                        buf += view[:n]
                     filled += n
                     total += n
                     view = view[n:]
@@ -131,9 +134,10 @@ class S3Objects:
     # -- reads ----------------------------------------------------------------
 
     def read_into(self, bucket: str, key: str, url: str, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from ``offset`` with ranged GETs (a range larger than a block
-        in up to ``concurrency`` pieces fetched at once). Raises :class:`CorruptCheckpointError` when the object is missing or
-        shorter than the range."""
+        """Fill ``buf`` from ``offset`` with ranged GETs (a range larger than a block in
+        up to ``concurrency`` pieces fetched at once). Raises
+        :class:`CorruptCheckpointError` when the object is missing or shorter than the
+        range."""
         n = len(buf)
         if n == 0:
             return
@@ -282,7 +286,7 @@ class _Upload:
             done, b = self.inflight.pop(0)
             done.result()
             self.spare.append(b)
-        return self.spare.pop() if self.spare else bytearray(len(buf))
+        return self.spare.pop() if self.spare else bytearray(len(buf))  # full size: slices are assigned
 
     async def _part(self, number: int, body: bytearray) -> None:
         async def once(_attempt: int) -> str:
