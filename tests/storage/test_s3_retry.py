@@ -17,7 +17,8 @@ from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(300)]
 MiB = 1 << 20
-FAST = {"attempts": 3, "base_delay": 0.01, "max_delay": 0.05, "timeout": 2.0}
+ATTEMPTS = 3
+FAST: dict[str, float] = {"attempts": ATTEMPTS, "base_delay": 0.01, "max_delay": 0.05, "timeout": 2.0}
 
 
 def _store(proxy: FaultProxy, bucket: str, **retry: float) -> FsspecStorage:
@@ -61,7 +62,7 @@ def test_a_read_makes_exactly_attempts_requests_then_names_the_object(
     try:
         with pytest.raises(ObjectStoreError) as info:
             st.read("rank-0.bin", 10, 100)
-        assert fault_proxy.seen == FAST["attempts"]
+        assert fault_proxy.seen == ATTEMPTS
     finally:
         fault_proxy.disarm()
     assert f"reading {st.url}/rank-0.bin failed after 3 attempts" in str(info.value)
@@ -112,7 +113,7 @@ def test_a_lost_complete_answer_is_checked_not_failed(
     monkeypatch.setattr(fsspec_storage, "BLOCK_SIZE", 5 * MiB)
     st = _store(fault_proxy, s3_bucket)
     data = os.urandom(11 * MiB)
-    fault_proxy.arm("drop", [1], methods=["POST"], repeat=FAST["attempts"])  # POST 0 creates, POST 1 completes
+    fault_proxy.arm("drop", [1], methods=["POST"], repeat=ATTEMPTS)  # POST 0 creates, POST 1 completes
     try:
         assert st.write_file("rank-0.bin", [data]) == len(data)
         assert [f.method for f in fault_proxy.faults] == ["POST"] * 3
