@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from shardpoint.storage import LocalStorage, Storage
+from tests.s3proxy import FaultProxy
 from tests.s3server import S3Server, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 
 KINDS = ["local", "memory", "s3"]
@@ -32,3 +33,11 @@ def storage(request: pytest.FixtureRequest, tmp_path) -> Iterator[Storage]:  # t
     yield st
     if request.param == "memory":
         st.remove_all()
+
+
+@pytest.fixture(scope="module")
+def fault_proxy(s3_endpoint: S3Server) -> Iterator[FaultProxy]:  # noqa: F811 - the fixture
+    """A fault-injecting proxy (tests/s3proxy.py) in front of the session's server,
+    unarmed: it forwards everything until a test arms it."""
+    with FaultProxy(s3_endpoint.endpoint_url, stall_s=120) as p:
+        yield p

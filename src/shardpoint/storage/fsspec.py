@@ -28,11 +28,15 @@ from __future__ import annotations
 import builtins
 import os
 import threading
-from collections.abc import Iterable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, TypeVar
 
 from ..errors import CorruptCheckpointError
 from .base import Storage, check_name
+from .retry import Retry, retry_sync
+from .s3 import S3Objects
+
+T = TypeVar("T")
 
 
 def _env_size(var: str, default: int) -> int:
@@ -54,10 +58,34 @@ def _env_size(var: str, default: int) -> int:
 #: writer holds about two blocks in memory.
 BLOCK_SIZE = _env_size("SHARDPOINT_S3_BLOCK_SIZE", 64 << 20)
 
+#: Parts of one upload in flight at a time, and concurrent ranged GETs of one large
+#: read, on S3 (environment: ``SHARDPOINT_S3_CONCURRENCY``). A writer holds about
+#: ``concurrency + 1`` blocks in memory.
+CONCURRENCY = _env_size("SHARDPOINT_S3_CONCURRENCY", 4)
+
 #: Filesystems whose "directories" are key prefixes that vanish with their last object.
 _BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
 
+_S3 = ("s3", "s3a")
+
 _CONNECT_LOCK = threading.Lock()
+
+
+def _client_options(options: dict[str, Any], retry: Retry) -> None:
+    """Point s3fs and botocore at shardpoint's retry layer: no retries of their own
+    (so ``retry.attempts`` is the real number of requests, not attempts squared),
+    and ``retry.timeout`` as the connect and read timeouts. Whatever the caller set
+    explicitly stays."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    config.setdefault("connect_timeout", retry.timeout)
+    config.setdefault("read_timeout", retry.timeout)
+    config.setdefault("max_pool_connections", 64)
+    # shardpoint checksums every block itself (CRC-32 in the index, verified on load):
+    # botocore's own CRC of each part would only cost CPU
+    config.setdefault("request_checksum_calculation", "when_required")
+    config.setdefault("response_checksum_validation", "when_required")
+    options["config_kwargs"] = config
 
 
 class FsspecStorage(Storage):
@@ -69,11 +97,17 @@ class FsspecStorage(Storage):
         storage_options: passed to the filesystem (for s3fs: ``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ``profile``...). Without them,
             s3fs finds credentials and endpoint the usual way (``AWS_*``
-            environment variables, ``~/.aws``, instance roles).
+            environment variables, ``~/.aws``, instance roles). One key is
+            shardpoint's own and is not passed on: ``shardpoint_retry``, a
+            :class:`~shardpoint.storage.retry.Retry` or a dict of its fields
+            (attempts, base_delay, max_delay, timeout).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, _fs: Any = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, _fs: Any = None,
+                 _retry: Retry | None = None) -> None:
         self.url = url.rstrip("/") if not url.endswith("://") else url
+        storage_options = dict(storage_options or {})
+        self.retry = _retry or Retry.resolve(storage_options.pop("shardpoint_retry", None))
         if _fs is None:
             try:
                 from fsspec.core import url_to_fs  # type: ignore[import-untyped]
@@ -81,15 +115,23 @@ class FsspecStorage(Storage):
                 raise ImportError(
                     f"saving to {url} needs fsspec (and s3fs for s3://): pip install 'shardpoint[s3]'"
                 ) from None
-            options = dict(storage_options or {})
+            options = dict(storage_options)
             options.setdefault("use_listings_cache", False)
+            if url.split("://", 1)[0] in _S3:
+                _client_options(options, self.retry)
             try:
                 fs, root = url_to_fs(url, **options)
             except TypeError:
-                if (storage_options or {}).get("use_listings_cache") is not None:
+                if storage_options.get("use_listings_cache") is not None:
                     raise
                 options.pop("use_listings_cache")  # a filesystem without a listings cache
                 fs, root = url_to_fs(url, **options)
+            if url.split("://", 1)[0] in _S3:
+                # s3fs's own retry loop (a class attribute, 5 tries) around the listing and
+                # removal calls made through it: off, shardpoint's retries those calls. The
+                # instance is cached under options that carry shardpoint's client settings,
+                # so only shardpoint's storages share it.
+                fs.retries = 1
         else:
             fs, root = _fs, _fs._strip_protocol(url)
         self.fs = fs
@@ -105,6 +147,21 @@ class FsspecStorage(Storage):
 
     def _where(self, name: str) -> str:
         return f"{self.url}/{name}"
+
+    def _s3(self) -> S3Objects | None:
+        """The S3 requests with shardpoint's retries, on an S3 filesystem."""
+        protocol = self.fs.protocol
+        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        if not any(p in _S3 for p in protocols):
+            return None
+        return S3Objects(self._fs(), self.retry, CONCURRENCY, BLOCK_SIZE)
+
+    def _key(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    def _retried(self, what: str, where: str, call: Callable[[], T]) -> T:
+        return retry_sync(self.retry, what, where, call)
 
     def _fs(self) -> Any:
         """The filesystem, with its client session created once (an async
@@ -127,6 +184,9 @@ class FsspecStorage(Storage):
     def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         path = self._path(name)
         fs = self._fs()
+        s3 = self._s3()
+        if s3 is not None:
+            return s3.write(*self._key(path), self._where(name), parts)
         block = BLOCK_SIZE
         if not self._bucketed():
             fs.makedirs(fs._parent(path), exist_ok=True)
@@ -159,9 +219,13 @@ class FsspecStorage(Storage):
     def write_atomic(self, name: str, data: bytes) -> None:
         path = self._path(name)
         fs = self._fs()
+        s3 = self._s3()
+        if s3 is not None:  # one PutObject, visible all at once; a retry sends the same bytes
+            s3.put(*self._key(path), self._where(name), bytes(data))
+            return
         if not self._bucketed():
             fs.makedirs(fs._parent(path), exist_ok=True)
-        fs.pipe_file(path, bytes(data))  # S3: one PutObject, visible all at once
+        self._retried("writing", self._where(name), lambda: fs.pipe_file(path, bytes(data)))
 
     def _bucketed(self) -> bool:
         protocol = self.fs.protocol
@@ -170,7 +234,7 @@ class FsspecStorage(Storage):
 
     # -- reads --------------------------------------------------------------
 
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
         path = self._path(name)
         fs = self._fs()
         if offset < 0 or (length is not None and length < 0):
@@ -178,6 +242,9 @@ class FsspecStorage(Storage):
                 f"negative range (offset {offset}, length {length}) asked of {self._where(name)}; "
                 "the manifest is damaged"
             )
+        s3 = self._s3()
+        if s3 is not None:
+            return self._read_s3(s3, name, offset, length)
         try:
             if length == 0:
                 # an empty byte range cannot be expressed as an HTTP Range; ask for the size
@@ -207,6 +274,38 @@ class FsspecStorage(Storage):
             self._short(name, offset, 0, None)
         return data
 
+    def _read_s3(self, s3: S3Objects, name: str, offset: int, length: int | None) -> bytearray:
+        bucket, key = self._key(self._path(name))
+        where = self._where(name)
+        try:
+            if length is None:
+                return s3.read_rest(bucket, key, where, offset)
+            if length == 0:  # an empty byte range cannot be expressed as an HTTP Range
+                size = s3.size(bucket, key, where)
+                if offset > size:
+                    self._short(name, offset, 0, size)
+                return bytearray()
+            out = bytearray(length)
+            s3.read_into(bucket, key, where, offset, memoryview(out))
+            return out
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"data file {where} is missing; the checkpoint is incomplete "
+                "(restore the object or use another checkpoint)"
+            ) from None
+
+    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
+        s3 = self._s3()
+        if s3 is None:
+            super().read_into(name, offset, buf)
+            return
+        if offset < 0:
+            raise CorruptCheckpointError(
+                f"negative offset {offset} asked of {self._where(name)}; the manifest is damaged"
+            )
+        view = buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
+        s3.read_into(*self._key(self._path(name)), self._where(name), offset, view)
+
     def _short(self, name: str, offset: int, length: int, size: int | None) -> NoReturn:
         if size is None:
             try:
@@ -221,19 +320,25 @@ class FsspecStorage(Storage):
 
     def exists(self, name: str) -> bool:
         path = self._path(name)
-        return bool(self._fs().isfile(path))
+        s3 = self._s3()
+        if s3 is not None:
+            return s3.head(*self._key(path), self._where(name)) is not None
+        return bool(self._retried("looking up", self._where(name), lambda: self._fs().isfile(path)))
 
     def size(self, name: str) -> int:
         path = self._path(name)
+        s3 = self._s3()
+        if s3 is not None:
+            return s3.size(*self._key(path), self._where(name))
         try:
-            return int(self._fs().size(path))
+            return int(self._retried("looking up", self._where(name), lambda: self._fs().size(path)))
         except FileNotFoundError:
             raise FileNotFoundError(f"{self._where(name)} does not exist") from None
 
     def list(self) -> list[str]:
         fs = self._fs()
         try:
-            found = fs.find(self.root)
+            found = self._retried("listing", self.url, lambda: fs.find(self.root))
         except FileNotFoundError:
             return []
         prefix = self.root.rstrip("/") + "/"
@@ -249,7 +354,7 @@ class FsspecStorage(Storage):
     def list_dirs(self) -> builtins.list[str]:
         fs = self._fs()
         try:
-            entries = fs.ls(self.root, detail=True)
+            entries = self._retried("listing", self.url, lambda: fs.ls(self.root, detail=True))
         except (FileNotFoundError, NotADirectoryError):
             return []
         prefix = self.root.rstrip("/") + "/"
@@ -267,7 +372,7 @@ class FsspecStorage(Storage):
     def remove(self, name: str) -> None:
         path = self._path(name)
         try:
-            self._fs().rm_file(path)
+            self._retried("removing", self._where(name), lambda: self._fs().rm_file(path))
         except FileNotFoundError:
             pass
 
@@ -278,7 +383,7 @@ class FsspecStorage(Storage):
         prefix = self.root.rstrip("/") + "/"
         files = [p for p in self._find_full() if p.startswith(prefix)]
         if files:
-            fs.rm(files)
+            self._retried("removing the objects under", self.url, lambda: fs.rm(files))
         if self._bucketed():
             return  # prefixes vanish with their last object
         try:
@@ -289,19 +394,20 @@ class FsspecStorage(Storage):
 
     def _find_full(self) -> builtins.list[str]:
         try:
-            return [self.fs._strip_protocol(p) for p in self._fs().find(self.root)]
+            found = self._retried("listing", self.url, lambda: self._fs().find(self.root))
+            return [self.fs._strip_protocol(p) for p in found]
         except FileNotFoundError:
             return []
 
     def child(self, name: str) -> FsspecStorage:
         check_name(name)
-        return FsspecStorage(f"{self.url}/{name}", _fs=self.fs)
+        return FsspecStorage(f"{self.url}/{name}", _fs=self.fs, _retry=self.retry)
 
     def parent(self) -> FsspecStorage:
         head, _, _ = self.url.rpartition("/")
         if not head or head.endswith(":/"):
             raise CorruptCheckpointError(f"{self.url} is the top of its store: it has no parent location")
-        return FsspecStorage(head, _fs=self.fs)
+        return FsspecStorage(head, _fs=self.fs, _retry=self.retry)
 
 
 def _abandon(f: Any) -> None:
