@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import adapters
 from shardpoint.adapters import Adapter, PlainAdapter, adapter_class, adapter_for, register
 from shardpoint.api import save_offline
 from shardpoint.errors import CorruptCheckpointError, ShardpointError
 from shardpoint.format.datafile import dtype_from_name
+from shardpoint.runtime import PROCESS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardpoint"
 FRAMEWORKS = ("deepspeed", "lightning", "pytorch_lightning", "transformers", "accelerate")
@@ -146,7 +146,7 @@ def registered():  # type: ignore[no-untyped-def]
     try:
         yield
     finally:
-        adapters._REGISTRY.pop(ENGINE)
+        PROCESS.adapters.pop(ENGINE)
 
 
 def test_a_subclass_uses_its_parents_adapter(registered: None, tmp_path: Path) -> None:
@@ -168,7 +168,7 @@ def test_a_subclass_uses_its_parents_adapter(registered: None, tmp_path: Path) -
                               "optimizer/state/weight/step"]
     assert report.missing == report.unexpected == []
     # without the registration the same object is a plain (non-module) owner: it cannot be saved that way
-    adapters._REGISTRY.pop(ENGINE)
+    PROCESS.adapters.pop(ENGINE)
     try:
         with pytest.raises(AttributeError):
             shardpoint.TrainState(model=PipelineEngine(0)).state_dict()
@@ -182,7 +182,7 @@ def test_an_adapter_that_cannot_be_imported_says_which(tmp_path: Path) -> None:
         with pytest.raises(ShardpointError, match=f"'no_such_package.adapters:Nope' registered for {ENGINE}"):
             adapter_for(PipelineEngine(0))
     finally:
-        adapters._REGISTRY.pop(ENGINE)
+        PROCESS.adapters.pop(ENGINE)
 
 
 # -- owner hooks anywhere in the tree -----------------------------------------------------------

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import Any, cast
 
 import torch
 
@@ -48,8 +49,9 @@ from ._optim import (
     state_value,
     zeros_like_entry,
 )
-from .errors import ShardpointError
+from .errors import ShardpointError, UsageError
 from .report import LoadReport
+from .runtime import PROCESS
 from .tree import Walk, decode_key, walk
 
 __all__ = ["Adapter", "PlainAdapter", "register", "adapter_class", "adapter_for", "LoadHooks"]
@@ -213,9 +215,12 @@ class PlainAdapter(Adapter):
 
 # -- the registry ------------------------------------------------------------------------------
 #: dotted class name -> adapter ("module:Class", imported on first use) or adapter class.
-_REGISTRY: dict[str, str | type[Adapter]] = {
+#: The adapters shardpoint knows without being told (by dotted class name); what
+#: :func:`register` adds, and the classes imported for these names, live in
+#: ``runtime.PROCESS.adapters``.
+BUILT_IN: Mapping[str, str] = MappingProxyType({
     "deepspeed.runtime.engine.DeepSpeedEngine": "shardpoint.integrations.deepspeed:EngineAdapter",
-}
+})
 
 
 def register(class_name: str, adapter: str | type[Adapter]) -> None:
@@ -228,27 +233,31 @@ def register(class_name: str, adapter: str | type[Adapter]) -> None:
         adapter: an :class:`Adapter` subclass, or ``"package.module:ClassName"`` to
             import only when such an owner is first seen (keeps frameworks lazy).
     """
-    _REGISTRY[class_name] = adapter
+    PROCESS.adapters[class_name] = adapter
 
 
 def adapter_class(owner: object) -> type[Adapter] | None:
     """The adapter registered for the nearest class in ``type(owner).__mro__``, or None."""
     for cls in type(owner).__mro__:
-        found = _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        found = PROCESS.adapters.get(name, BUILT_IN.get(name))
         if found is None:
             continue
         if isinstance(found, str):
-            module, _, name = found.partition(":")
+            module, _, attr = found.partition(":")
             try:
-                found = getattr(importlib.import_module(module), name)
+                found = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as e:
                 raise ShardpointError(
                     f"the adapter {found!r} registered for {cls.__module__}.{cls.__qualname__} cannot be imported "
                     f"({type(e).__name__}: {e}); install the integration's extra, or register another adapter"
                 ) from e
             assert isinstance(found, type)
-            _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = found
-        return found
+            PROCESS.adapters[name] = found
+        if not isinstance(found, type):
+            raise UsageError(f"the adapter registered for {name} is {found!r}, not a class; "
+                             "register an Adapter subclass or a 'package.module:ClassName' string")
+        return cast("type[Adapter]", found)
     return None
 
 

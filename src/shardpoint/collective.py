@@ -55,7 +55,7 @@ _POLL = timedelta(seconds=0.25)
 
 
 
-def _dist():  # type: ignore[no-untyped-def]
+def _dist() -> Any:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None

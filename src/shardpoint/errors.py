@@ -18,6 +18,7 @@ __all__ = [
     "UsageError",
     "UnsupportedTypeError",
     "SaveTimeoutError",
+    "ObjectStoreError",
 ]
 
 
@@ -64,3 +65,9 @@ class UnsupportedTypeError(ShardpointError, TypeError):
 
 class SaveTimeoutError(ShardpointError, TimeoutError):
     """A wait on an asynchronous save's handle ran out of time; the save goes on."""
+
+
+class ObjectStoreError(ShardpointError):
+    """An object-store request kept failing with transient errors (5xx, SlowDown,
+    reset connections, timeouts) until its attempts ran out, or failed for good (access
+    denied, no such bucket). The message names the object and the last error."""

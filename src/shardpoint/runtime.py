@@ -113,6 +113,9 @@ class Process:
     staging: object | None = None  # saving.buffers.StagingBuffer
     pool: object | None = None  # saving.buffers.Pool
     seams: Seams = field(default_factory=Seams)
+    #: Adapters registered by :func:`shardpoint.adapters.register` (dotted class name ->
+    #: an Adapter subclass or ``"module:Class"``), and those imported for a name.
+    adapters: dict[str, object] = field(default_factory=dict)
     #: Whether the exit hook of the save in flight is registered (at the first save or restore).
     exit_hook: bool = False
     #: Per thread: the CUDA copy stream of each device (made on first use).

@@ -65,6 +65,12 @@ __all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelP
 _MODEL_PARTS = ("state_dict", "optimizer_states", "lr_schedulers")
 
 
+def _base(obj: object, mixin: type) -> Any:
+    """The Lightning strategy's own methods behind ``mixin`` (``super()`` from the mixin,
+    which the type checker cannot see through)."""
+    return super(mixin, obj)
+
+
 class ShardpointStrategyMixin:
     """Makes a Lightning strategy save and load its checkpoints through shardpoint,
     on every rank. Put it first in the bases: ``class S(ShardpointStrategyMixin,
@@ -84,6 +90,11 @@ class ShardpointStrategyMixin:
             draws while it sets up shifts them.
         **kwargs: the strategy's own arguments.
     """
+
+    # provided by the Lightning strategy this is mixed into (annotations only: no attribute here)
+    lightning_module: Any
+    is_global_zero: bool
+    lr_scheduler_configs: list[Any]
 
     def __init__(
         self,
@@ -117,7 +128,7 @@ class ShardpointStrategyMixin:
         return out
 
     def _train_state(self, with_optimizer: bool, rest: dict[str, Any]) -> TrainState:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         opts = self._sp_optimizers() if with_optimizer else []
         scheds = [c.scheduler for c in getattr(self, "lr_scheduler_configs", [])] if with_optimizer else []
         extra = {f"lr_scheduler_{i}": s for i, s in enumerate(scheds) if i > 0}
@@ -132,10 +143,10 @@ class ShardpointStrategyMixin:
         :class:`~shardpoint.CollectiveMismatchError` on the others."""
         path = os.fspath(filepath)
         rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_PARTS}
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:  # Lightning's batch counters count micro-batches: record how many make a step
             rest["shardpoint"] = {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
-        state = self._train_state("optimizer_states" in checkpoint, rest if self.is_global_zero else {})  # type: ignore[attr-defined]
+        state = self._train_state("optimizer_states" in checkpoint, rest if self.is_global_zero else {})
         # the save's one arrival, keyed by the step: a save only rank 0 makes never meets the next one
         api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options,
                  tag=step_tag(checkpoint.get("global_step", "")))
@@ -163,17 +174,17 @@ class ShardpointStrategyMixin:
             self._pending_rng = capture_rng()
         out = dict(state.extra.get("lightning") or {})
         self._rescale_batch_counters(out, path)
-        out["state_dict"] = self.lightning_module.state_dict()  # type: ignore[attr-defined]
+        out["state_dict"] = self.lightning_module.state_dict()
         if state.optimizer is not None:
             out["optimizer_states"] = [state.optimizer.state_dict()]
-            out["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]  # type: ignore[attr-defined]
+            out["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]
         return out
 
     def _rescale_batch_counters(self, ckpt: dict[str, Any], path: str) -> None:
         """Lightning counts micro-batches per rank; when this run makes an optimizer
         step of another number of them (the global batch kept on another world size),
         express the saved counts in this run's micro-batches."""
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        trainer = getattr(self.lightning_module, "_trainer", None)
         saved = (ckpt.get("shardpoint") or {}).get("accumulate_grad_batches")
         if trainer is None or not saved or saved == trainer.accumulate_grad_batches:
             return
@@ -198,7 +209,7 @@ class ShardpointStrategyMixin:
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 removes a checkpoint directory: its manifest first, so a removal cut
         short never leaves something that looks like a checkpoint."""
-        if not self.is_global_zero:  # type: ignore[attr-defined]
+        if not self.is_global_zero:
             return
         from lightning.fabric.utilities.cloud_io import get_filesystem
 
@@ -217,19 +228,20 @@ class ShardpointStrategyMixin:
         if self._pending_rng is not None:
             apply_rng(self._pending_rng)
             self._pending_rng = None
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        _base(self, ShardpointStrategyMixin).on_train_batch_start(batch, batch_idx)
 
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        dataloader = _base(self, ShardpointStrategyMixin).process_dataloader(dataloader)
         if isinstance(getattr(dataloader, "batch_sampler", None), ElasticBatchSampler) and not hasattr(
             dataloader, "load_state_dict"
         ):
-            dataloader.__class__ = _resumable(type(dataloader))
+            cls: type = type(dataloader)
+            dataloader.__class__ = _resumable(cls)
         return dataloader
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        out = _base(self, ShardpointStrategyMixin).optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:
             for sampler in _elastic_samplers(trainer.train_dataloader):
                 sampler.step()

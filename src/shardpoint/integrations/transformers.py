@@ -47,7 +47,7 @@ import os
 import re
 import shutil
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 try:
     from transformers import Trainer
@@ -60,7 +60,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import api
 from ..collective import Comm
-from ..errors import ShardpointError
+from ..errors import ShardpointError, UsageError
 from ..state import TrainState
 from ..storage import storage_for
 from ._trainer import Unsaveable, apply_rng, capture_rng, step_tag
@@ -185,12 +185,14 @@ class ShardpointTrainer(Trainer):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
                 self.state.best_model_checkpoint = best
+        # HF annotates stateful_callbacks as a list; TrainerState.__post_init__ makes it a dict by name
+        states = cast("dict[str, Any]", self.state.stateful_callbacks)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name = type(cb).__name__
-            if isinstance(self.state.stateful_callbacks[name], list):
-                self.state.stateful_callbacks[name].append(cb.state())
+            if isinstance(states[name], list):
+                states[name].append(cb.state())
             else:
-                self.state.stateful_callbacks[name] = cb.state()
+                states[name] = cb.state()
         state_json = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
         per_epoch = self._sp_steps_per_epoch or 0
         position = {
@@ -218,7 +220,10 @@ class ShardpointTrainer(Trainer):
         if self.state.best_model_checkpoint:
             keep.add(os.path.abspath(self.state.best_model_checkpoint))
         committed = [p for _, p in found if _committed(p)]
-        newest_step = int(_STEP.match(os.path.basename(newest)).group(1))  # type: ignore[union-attr]
+        m = _STEP.match(os.path.basename(newest))
+        if m is None:  # pragma: no cover - the caller names a checkpoint-N folder
+            return
+        newest_step = int(m.group(1))
         doomed = [p for s, p in found if s < newest_step and p not in committed]  # saves that never committed
         if limit is not None and limit > 0:
             keep.update(os.path.abspath(p) for p in committed[-limit:])
@@ -237,9 +242,11 @@ class ShardpointTrainer(Trainer):
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed
         checkpoint of ``args.output_dir``."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_committed_checkpoint(self.args.output_dir)
+            out = self.args.output_dir
+            resume_from_checkpoint = last_committed_checkpoint(out) if out is not None else None
             if resume_from_checkpoint is None:
-                raise ValueError(f"No committed checkpoint found in output directory ({self.args.output_dir})")
+                raise UsageError(f"No committed checkpoint found in output directory ({out}); train without "
+                                 "resume_from_checkpoint, or pass the checkpoint's path")
         self._sp_resumed_from = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 

@@ -12,12 +12,13 @@ checkpoint.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from ..collective import Comm, coordinate
-from ..errors import ShardpointError
+from ..errors import CheckpointNotFoundError, ShardpointError
 from ..format.index import index_name
-from ..format.manifest import MANIFEST_NAME, committed, read_manifest
+from ..format.manifest import MANIFEST_NAME, read_manifest
 from ..runtime import PROCESS
 from ..storage import Storage
 from .coordinator import Coordinator
@@ -68,7 +69,23 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
     except BaseException:
         # a failure after the manifest was written (in on_commit) leaves a committed
         # checkpoint: its data must stay
-        if not committed(storage, planned.save_id):
-            storage.remove(fname)
-            storage.remove(index_name(fname))
+        if _surely_uncommitted(storage, planned.save_id):
+            for name in (fname, index_name(fname)):
+                try:
+                    storage.remove(name)
+                except Exception as e:  # noqa: BLE001 - the save's own error is what the caller needs
+                    warnings.warn(f"shardpoint: the failed save left {storage.url}/{name} behind ({e}); "
+                                  "it is not part of any checkpoint and can be deleted", stacklevel=2)
         raise
+
+
+def _surely_uncommitted(storage: Storage, save_id: str) -> bool:
+    """Whether no manifest of save ``save_id`` is at ``storage``: none there, or another
+    save's. A manifest that cannot be read now (an object store still failing) might be
+    this save's: then its files stay (a leftover is harmless, lost data is not)."""
+    try:
+        return read_manifest(storage).save_id != save_id
+    except CheckpointNotFoundError:
+        return True
+    except ShardpointError:
+        return False

@@ -8,6 +8,7 @@ manifest cannot make a reader touch a file outside the checkpoint.
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -69,7 +70,7 @@ class Storage(ABC):
         """Size of ``name`` in bytes."""
 
     @abstractmethod
-    def list(self) -> list[str]:
+    def list(self) -> builtins.list[str]:
         """Names of the files under this location (recursively, relative)."""
 
     @abstractmethod
@@ -86,7 +87,7 @@ class Storage(ABC):
         """The storage for a sub-location (``root.child("step-00000100")``)."""
 
     @abstractmethod
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         """Names of the immediate sub-locations."""
 
     def parent(self) -> Storage:
@@ -125,7 +126,7 @@ class Delegating(Storage):
     def size(self, name: str) -> int:
         return self.inner.size(name)
 
-    def list(self) -> list[str]:
+    def list(self) -> builtins.list[str]:
         return self.inner.list()
 
     def remove(self, name: str) -> None:
@@ -137,7 +138,7 @@ class Delegating(Storage):
     def child(self, name: str) -> Storage:
         return self.inner.child(name)
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         return self.inner.list_dirs()
 
     def parent(self) -> Storage:

@@ -110,7 +110,7 @@ class FsspecStorage(Storage):
         self.retry = _retry or Retry.resolve(storage_options.pop("shardpoint_retry", None))
         if _fs is None:
             try:
-                from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+                from fsspec.core import url_to_fs
             except ImportError:
                 raise ImportError(
                     f"saving to {url} needs fsspec (and s3fs for s3://): pip install 'shardpoint[s3]'"
@@ -173,7 +173,7 @@ class FsspecStorage(Storage):
                 if not getattr(fs, "_shardpoint_connected", False):
                     connect = getattr(fs, "set_session", None)
                     if connect is not None and getattr(fs, "async_impl", False):
-                        from fsspec.asyn import sync  # type: ignore[import-untyped]
+                        from fsspec.asyn import sync
 
                         sync(fs.loop, connect)
                     fs._shardpoint_connected = True
@@ -414,7 +414,7 @@ def _abandon(f: Any) -> None:
     """Drop a half-written file without publishing it: abort the multipart upload
     (S3) and mark the file closed, so neither ``close()`` nor the garbage
     collector completes the upload with the part written so far."""
-    from fsspec.spec import AbstractBufferedFile  # type: ignore[import-untyped]
+    from fsspec.spec import AbstractBufferedFile
 
     try:
         if isinstance(f, AbstractBufferedFile):

@@ -3,6 +3,7 @@ rename for the manifest and a directory fsync after it."""
 
 from __future__ import annotations
 
+import builtins
 import os
 import shutil
 import stat
@@ -175,7 +176,7 @@ class LocalStorage(Storage):
     def size(self, name: str) -> int:
         return os.path.getsize(self._path(name))
 
-    def list(self) -> list[str]:
+    def list(self) -> builtins.list[str]:
         out = []
         for dirpath, _dirs, files in os.walk(self.root):
             rel = os.path.relpath(dirpath, self.root)
@@ -201,7 +202,7 @@ class LocalStorage(Storage):
     def parent(self) -> LocalStorage:
         return LocalStorage(os.path.dirname(self.root))
 
-    def list_dirs(self) -> list[str]:
+    def list_dirs(self) -> builtins.list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
         except FileNotFoundError:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from ..errors import ShardpointError
+from ..errors import ObjectStoreError, ShardpointError, UsageError
 
 T = TypeVar("T")
 
@@ -29,12 +29,6 @@ TRANSIENT_CODES = frozenset({
     "500", "502", "503", "504",
 })
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
-
-
-class ObjectStoreError(ShardpointError):
-    """An object-store request kept failing with transient errors (5xx, SlowDown,
-    reset connections, timeouts) until its attempts ran out. The message names the
-    object and the last error."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +91,7 @@ class Retry:
         return replace(cls(**fields), **(given or {}))
 
 
-class RetryOptionError(ShardpointError, ValueError):
+class RetryOptionError(UsageError):
     """A retry option (storage option or environment variable) is not valid."""
 
 

@@ -43,7 +43,7 @@ class S3Objects:
     # -- plumbing -------------------------------------------------------------
 
     def _run(self, coro: Any) -> Any:
-        from fsspec.asyn import sync  # type: ignore[import-untyped]
+        from fsspec.asyn import sync
 
         async def wrap() -> Any:
             return await coro
