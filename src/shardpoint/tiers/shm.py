@@ -207,3 +207,26 @@ def list_jobs(base: str) -> list[JobArea]:
         if os.path.basename(area.dir) == n and area.owned():
             out.append(area)
     return out
+
+
+def snapshot_rows(root: str, base: str) -> list[dict[str, Any]]:
+    """``shardpoint ls`` rows for this user's memory snapshots (on this host, under
+    ``base``) of the jobs whose manager root is ``root``: complete ones and torn ones."""
+    from datetime import datetime, timezone
+
+    rows: list[dict[str, Any]] = []
+    for area in list_jobs(base):
+        if area.identity.rsplit("\0root=", 1)[-1] != root:
+            continue
+        run = area.identity.split("\0", 1)[0].removeprefix("run=")
+        done = {s.step: s for s in area.complete()}
+        for step in area.steps():
+            snap = done.get(step)
+            m = snap.manifest if snap is not None else None
+            rows.append({
+                "step": step, "path": os.path.join(area.dir, step_dir(step)), "tier": f"memory (run {run})",
+                "time": datetime.fromtimestamp(m.created, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if m else None,
+                "size": m.own_bytes() if m else None, "referenced": 0 if m else None,
+                "world_size": m.world_size if m else None, "status": "committed" if m else "incomplete",
+                "latest": False, "nonfinite": m.nonfinite if m else None, "metrics": dict(m.metrics) if m else None})
+    return rows

@@ -131,6 +131,7 @@ class Tiers:
             warnings.warn(f"shardpoint: step {result.step} was not made durable under {self.root}: {result.error}. "
                           "Its memory snapshot is kept until newer ones replace it", stacklevel=3)
             return
+        self.area.free(self.tier.keep, set())  # the drained snapshot, when newer ones came meanwhile
         try:
             self.on_drained(result.step)
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; retention tries again next time
