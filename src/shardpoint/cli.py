@@ -13,7 +13,11 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from typing_extensions import (
+    NotRequired,  # typing has it from Python 3.11; torch depends on typing_extensions
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -79,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     ls = cmd("ls", "table of the checkpoints under a CheckpointManager root (step, time, size, world size, status)")
     ls.add_argument("root")
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    ls.add_argument("--memory-path", default=None, help="where the memory tier keeps snapshots on this host "
+                    "(MemoryTier(path=...); default /dev/shm/shardpoint): its snapshots of ROOT are listed too")
 
     ins = cmd("inspect", "tree of a checkpoint's keys: shape, dtype, bytes, how each tensor was sharded (manifest only)",
               aliases=("info",))
@@ -200,17 +206,22 @@ def _dtype(d: object) -> str:
 
 # -- ls -----------------------------------------------------------------------------------------------
 def _ls(args: argparse.Namespace) -> int:
-    rows = _checkpoints(args.root)
+    from .storage import storage_for
+    from .tiers.config import DEFAULT_PATH
+    from .tiers.shm import snapshot_rows
+
+    rows: list[dict[str, Any]] = [{**r, "tier": "durable"} for r in _checkpoints(args.root)]
+    rows += snapshot_rows(storage_for(args.root).url, args.memory_path or DEFAULT_PATH)  # the memory tier's
     if args.json:
         print(json.dumps(rows, indent=2))
         return OK
     from rich.table import Table
 
     t = Table(title=f"checkpoints under {args.root}")
-    for c in ("step", "time (UTC)", "size", "referenced", "world size", "status", "health", "metrics", "latest"):
+    for c in ("step", "tier", "time (UTC)", "size", "referenced", "world size", "status", "health", "metrics", "latest"):
         t.add_column(c, justify="right" if c in ("step", "size", "referenced", "world size") else "left")
     for r in rows:
-        t.add_row(str(r["step"]), r["time"] or "-", _human(r["size"]), _human(r["referenced"]) if r["referenced"] else "-",
+        t.add_row(str(r["step"]), r["tier"], r["time"] or "-", _human(r["size"]), _human(r["referenced"]) if r["referenced"] else "-",
                   str(r["world_size"] or "-"), r["status"], _health(r["nonfinite"]),
                   " ".join(f"{k}={v:.4g}" for k, v in (r["metrics"] or {}).items()) or "-",
                   "<- latest" if r["latest"] else "")

@@ -26,6 +26,8 @@ from .saving.incremental import Session, Tracker
 from .saving.pipeline import save_state
 from .saving.records import SaveOptions
 from .storage import Storage, storage_for
+from .tiers import MemoryTier, TieredLoadReport  # the memory tier (issue 23): hooks in the block at the end
+from .tiers.tiered import Tiers
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -149,6 +151,7 @@ class CheckpointManager:
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
+        memory: MemoryTier | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
@@ -166,6 +169,7 @@ class CheckpointManager:
         self.incremental = incremental
         self._tracker = Tracker() if incremental else None
         self._session: Session | None = None
+        self._tiers = self._make_tiers(memory)  # memory tier: see the block at the end of the class
 
     # -- discovery ------------------------------------------------------------------
     @staticmethod
@@ -273,6 +277,8 @@ class CheckpointManager:
 
         With ``blocking=False`` returns a handle (see :func:`shardpoint.save`, and its
         ``overlap``); call :meth:`wait` before the process group is torn down."""
+        if self._tiers is not None and self._tiers_save(state, step, blocking, overlap, metrics):
+            return None  # the memory tier took the step (snapshot; drain if due for durability)
         self.wait()
         name = self.step_dir(step)
         target = self.storage.child(name)
@@ -312,6 +318,8 @@ class CheckpointManager:
                 raise
             if session is not None and self._tracker is not None:
                 self._tracker.commit(session)
+        if self._tiers is not None:  # memory tier: the drain in flight
+            self._tiers.wait()
 
     def _retain(self, newest: int) -> None:
         committed = self.list()
@@ -394,6 +402,9 @@ class CheckpointManager:
         from .saving.handle import settle_in_flight
 
         settle_in_flight()
+        if self._tiers is not None and not self._tiers.bypass:  # memory tier: the restore ladder
+            return self._tiers_restore(state, step, only=only, exclude=exclude, strict=strict, fallback=fallback,
+                                       accept=accept)
         if step is None:
             try:
                 info = self._resume_point()
@@ -480,6 +491,64 @@ class CheckpointManager:
             return False
         self.save(state, step)
         return True
+
+    # -- memory tier (shardpoint.tiers, issue 23) ----------------------------------------
+    # A step due only for the memory tier is saved to node-local shared memory; a step due
+    # for durability is drained from there to the root by a helper. restore() takes the
+    # newest step restorable in full from either. docs/tiers.md.
+    def _make_tiers(self, memory: MemoryTier | None) -> Tiers | None:
+        if memory is None:
+            return None
+        if self.incremental:
+            raise UsageError("CheckpointManager(memory=..., incremental=True): a memory tier with incremental saves is "
+                             "not supported yet (a drained checkpoint would refer to files in shared memory); "
+                             "leave one of them out")
+
+        def pointer(step: int) -> bytes:
+            return seal(json.dumps({"latest": self.step_dir(step)}, separators=(",", ":")).encode())
+
+        return Tiers(memory, root=self.root, storage_options=self._storage_options, process_group=self.process_group,
+                     timeout=self.timeout, folder=self.step_dir, pointer=pointer,
+                     on_drained=lambda s: self._retain(newest=s))
+
+    @property
+    def memory(self) -> MemoryTier | None:
+        """The memory tier given to the constructor, if any."""
+        return self._tiers.tier if self._tiers is not None else None
+
+    def _tiers_save(self, state: Any, step: int, blocking: bool, overlap: bool,
+                    metrics: Mapping[str, float] | None) -> bool:
+        """True when the memory tier took ``step``; False: save it directly to the root."""
+        assert self._tiers is not None
+        if not blocking or overlap:
+            raise UsageError(f"save(step={step}, blocking=False) with a memory tier: the snapshot is the fast path "
+                             "(blocking, to shared memory) and the durable write already runs in a helper; "
+                             "call save(state, step)")
+        return self._tiers.save(state, step, metrics=metrics, durable=self._preempt.is_set())
+
+    def _tiers_restore(self, state: Any, step: int | None, **kw: Any) -> TieredLoadReport | None:
+        """The restore ladder: the newest complete memory snapshot every rank sees, if at
+        least as new as the durable resume point; else the durable restore as without a
+        memory tier. An explicit ``step`` is loaded from the root."""
+        assert self._tiers is not None
+        self._tiers.wait()
+        if step is None:
+            try:
+                newest = self._resume_point()
+                durable = newest.step if newest is not None else None
+            except CorruptCheckpointError:  # the durable restore below says what is damaged
+                durable = max((i.step for i in self.list()), default=None)
+            got = self._tiers.restore_memory(state, durable, only=kw["only"], exclude=kw["exclude"], strict=kw["strict"])
+            if got is not None:
+                return got
+        with self._tiers.bypassed():
+            report = self.restore(state, step, **kw)
+        rank = Comm(self.process_group, self.timeout).rank
+        self._tiers.after_restore(rank, report.step if report is not None else None,
+                                  report.step if report is not None else None)
+        if report is None:
+            return None
+        return TieredLoadReport.of(report, "durable", self.storage.child(self.step_dir(report.step or 0)).url)
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "

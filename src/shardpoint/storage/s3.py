@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import hashlib
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -366,11 +367,13 @@ class _Upload:
         try:
             self._sweep(self.upload_id)
         except Exception as e:  # noqa: BLE001 - the write's own error is the one to raise
-            cause.add_note(
-                f"shardpoint: aborting the multipart upload {self.upload_id} of {self.url} failed too "
-                f"({type(e).__name__}: {e}); its parts stay on the server until a bucket lifecycle rule "
-                "(abort incomplete multipart uploads) removes them"
-            )
+            note = (f"shardpoint: aborting the multipart upload {self.upload_id} of {self.url} failed too "
+                    f"({type(e).__name__}: {e}); its parts stay on the server until a bucket lifecycle rule "
+                    "(abort incomplete multipart uploads) removes them")
+            if hasattr(cause, "add_note"):  # Python >= 3.11
+                cause.add_note(note)
+            else:  # pragma: no cover - Python 3.10
+                warnings.warn(note, stacklevel=2)
 
     def _sweep(self, known: str | None) -> None:
         ids = [known] if known is not None else []

@@ -1,0 +1,132 @@
+"""The memory tier against the durable tier, in one run, one process (issue 23).
+
+1. The training process's stall for a memory snapshot vs a blocking durable save of
+   the same state (goal: <= 0.2x).
+2. A training step's time while a drain runs in a helper process, in a thread, and
+   with no drain (the step is a loop of small torch ops: Python-bound, as the
+   per-step overhead of a real training loop is).
+3. Restore time from memory vs from local disk (the disk's files were just written:
+   they are read from the page cache, so this is a floor for the disk).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/tiers_bench.py --size-mb 256
+
+Prints a markdown table of medians and ratios; nothing gates on a time."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from shardpoint import CheckpointManager
+from shardpoint.tiers import MemoryTier
+from shardpoint.tiers.drain import Drainer, DrainJob
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def step_fn(x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        y = x
+        for _ in range(200):
+            y = torch.tanh(y * 1.0001 + 0.001)
+    return step
+
+
+def steps_during(drainer: Drainer | None, job: DrainJob | None, step: Callable[[], None], n_min: int) -> tuple[float, int]:
+    """Mean step time while ``job`` drains (or over ``n_min`` steps with no drain)."""
+    if drainer is not None and job is not None:
+        drainer.start(job)
+    times = []
+    while True:
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+        if drainer is None:
+            if len(times) >= n_min:
+                break
+        elif drainer.poll() is not None:
+            break
+    return statistics.mean(times), len(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="durable root's parent (default: a temporary folder on disk)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    n = args.size_mb * (1 << 20) // 4 // 8
+    state = {f"layer{i}": torch.randn(n) for i in range(8)}
+    work = tempfile.mkdtemp(dir=args.dir, prefix="tiers-bench-")
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="tiers-bench-")
+    rows: list[tuple[str, float, str]] = []
+    try:
+        # 1. stall
+        tier = MemoryTier(every=1, durable_every=10**9, keep=2, path=shm, drain="process")
+        mem = CheckpointManager(os.path.join(work, "tiered"), memory=tier)
+        dur = CheckpointManager(os.path.join(work, "direct"), keep_last=1)
+        step_no = iter(range(1, 10**6))
+        t_mem = timed(lambda: mem.save(state, next(step_no)), args.repeat)
+        t_dur = timed(lambda: dur.save(state, next(step_no)), args.repeat)
+        rows += [("stall: memory snapshot", t_mem, f"{t_mem / t_dur:.3f}x of durable (goal <= 0.2x)"),
+                 ("stall: blocking durable save", t_dur, "1x")]
+        # 2. a training step beside a drain
+        area = mem._tiers.area  # type: ignore[union-attr]
+        snap = area.complete()[-1]
+        step = step_fn(torch.randn(256))
+        base, _ = steps_during(None, None, step, 200)
+        rows.append(("train step, no drain", base, "1x"))
+        for mode in ("process", "thread"):
+            drainer = Drainer(mode)
+            if mode == "process":  # start the helper before measuring (a manager keeps it for the job)
+                drainer._helper()
+                time.sleep(3)
+            per, count = [], 0
+            for r in range(args.repeat):
+                job = DrainJob(step=snap.step, src=snap.path, root=os.path.join(work, f"drain-{mode}-{r}"),
+                               folder="step-00000001", pointer=b"x")
+                t, k = steps_during(drainer, job, step, 0)
+                per.append(t)
+                count += k
+            drainer.close()
+            t = statistics.median(per)
+            rows.append((f"train step, drain in a {mode}", t, f"{t / base:.2f}x of no drain ({count} steps)"))
+        # 3. restore
+        mem.save(state, 10**6)  # the newest: a memory snapshot
+        dur.save(state, 10**6)
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t_rm = timed(lambda: CheckpointManager(os.path.join(work, "tiered"), memory=tier).restore(target), args.repeat)
+            t_rd = timed(lambda: CheckpointManager(os.path.join(work, "direct")).restore(target), args.repeat)
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        rows += [("restore from memory", t_rm, f"{t_rm / t_rd:.2f}x of disk"),
+                 ("restore from local disk (page cache)", t_rd, "1x")]
+        mem._tiers.close()  # type: ignore[union-attr]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    print(f"\nstate: {args.size_mb} MB (8 fp32 tensors), medians of {args.repeat}; one process\n")
+    print("| what | seconds | ratio |\n|---|---:|---|")
+    for name, t, ratio in rows:
+        print(f"| {name} | {t:.4f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""A job's snapshots in node-local shared memory: one private folder per job
+(0700, files 0600), one shardpoint checkpoint per step in it.
+
+A snapshot counts only when its manifest (sealed, written last by the save's commit)
+reads and every file it names is there at its size; anything else is torn and never
+chosen. Nothing here is collective: each host sees its own folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
+from ..format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ..storage.base import Delegating, Storage
+from ..storage.local import LocalStorage
+from .config import job_folder
+
+_STEP = re.compile(r"^step-(\d+)$")
+JOB_FILE = "job.json"
+
+
+class PrivateStorage(Delegating):
+    """A local folder whose files only this user may read: each file is 0600 and its
+    folder 0700 once written (the job folder above is 0700 from the start, so no other
+    user can open a file in the moment before)."""
+
+    inner: LocalStorage
+
+    def __init__(self, inner: LocalStorage) -> None:
+        super().__init__(inner)
+
+    def _private(self, name: str) -> None:
+        path = os.path.join(self.inner.root, name)
+        os.chmod(path, 0o600)
+        os.chmod(os.path.dirname(path), 0o700)
+
+    def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
+        n = self.inner.write_file(name, parts)
+        self._private(name)
+        return n
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.inner.write_atomic(name, data)
+        self._private(name)
+
+    def child(self, name: str) -> Storage:
+        return PrivateStorage(self.inner.child(name))
+
+    def parent(self) -> Storage:
+        return PrivateStorage(self.inner.parent())
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A complete snapshot in this host's job folder."""
+
+    step: int
+    path: str
+    manifest: Manifest
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _make_private_dir(path: str) -> None:
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ShardpointError(f"cannot create the memory tier's folder {path} ({e.strerror}); give "
+                              "MemoryTier(path=...) a directory you can write to") from e
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ShardpointError(f"{path} is not a directory owned by this user (uid {os.getuid()}); refusing to keep "
+                              "snapshots there. Give MemoryTier(path=...) a folder of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+class JobArea:
+    """The folder of one job's snapshots on this host: ``<path>/job-<digest>/``."""
+
+    def __init__(self, base: str, identity: str) -> None:
+        self.base, self.identity = base, identity
+        self.dir = os.path.join(base, job_folder(identity))
+
+    def open(self) -> None:
+        """Create the job's folder (0700) and its identity file, or check them. Any rank
+        may call it at the same time as others."""
+        if not os.path.isdir(self.base):
+            _make_private_dir(self.base)
+        _make_private_dir(self.dir)
+        path = os.path.join(self.dir, JOB_FILE)
+        body = json.dumps({"identity": self.identity}).encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if self.owned():
+                return
+            raise ShardpointError(f"{path} names another job; its snapshots are not this job's. Remove {self.dir} "
+                                  "or give MemoryTier(job=...) another identity") from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+
+    def owned(self) -> bool:
+        """Whether the folder is this job's: ours, private, and its identity file names this job."""
+        try:
+            st = os.lstat(self.dir)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                return False
+            with open(os.path.join(self.dir, JOB_FILE), "rb") as f:
+                return bool(json.loads(f.read()).get("identity") == self.identity)
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def storage(self, step: int) -> PrivateStorage:
+        return PrivateStorage(LocalStorage(os.path.join(self.dir, step_dir(step))))
+
+    def steps(self) -> list[int]:
+        """Every step folder present (complete or not), oldest first."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _STEP.match(n)))
+
+    def complete(self) -> list[Snapshot]:
+        """The complete snapshots on this host, oldest first (none when the folder is
+        not this job's)."""
+        if not self.owned():
+            return []
+        out = []
+        for step in self.steps():
+            snap = self.check(step)
+            if snap is not None:
+                out.append(snap)
+        return out
+
+    def check(self, step: int) -> Snapshot | None:
+        """The snapshot of ``step`` if it is complete: a sealed manifest and every file
+        it names present at its size."""
+        st = self.storage(step)
+        try:
+            man = read_manifest(st)
+        except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+            return None
+        for name, entry in man.files.items():
+            sizes: list[tuple[str, Any]] = [(name, entry.get("size"))]
+            idx: Any = entry.get("index")
+            if isinstance(idx, dict):
+                sizes.append((idx["name"], idx["size"]))
+            for n, size in sizes:
+                try:
+                    if os.path.getsize(os.path.join(st.inner.root, n)) != size:
+                        return None
+                except OSError:
+                    return None
+        return Snapshot(step, st.url, man)
+
+    def free(self, keep: int, protect: set[int]) -> list[int]:
+        """Remove all but the newest ``keep`` complete snapshots (never a step in
+        ``protect``: one being drained) and torn folders older than the newest
+        complete one. Returns the steps removed."""
+        done = [s.step for s in self.complete()]
+        kept = set(done[-keep:]) if keep > 0 else set()
+        newest = done[-1] if done else None
+        gone = []
+        for step in self.steps():
+            if step in kept or step in protect:
+                continue
+            if step in done or (newest is not None and step < newest):
+                self.remove(step)
+                gone.append(step)
+        return gone
+
+    def remove(self, step: int) -> None:
+        """Remove a snapshot, manifest first (a half-removed folder is never complete)."""
+        path = os.path.join(self.dir, step_dir(step))
+        try:
+            os.unlink(os.path.join(path, MANIFEST_NAME))
+        except OSError:
+            pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def list_jobs(base: str) -> list[JobArea]:
+    """The job folders of this user under ``base`` (for ``shardpoint ls``)."""
+    out = []
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    for n in names:
+        try:
+            with open(os.path.join(base, n, JOB_FILE), "rb") as f:
+                identity = json.loads(f.read())["identity"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        area = JobArea(base, str(identity))
+        if os.path.basename(area.dir) == n and area.owned():
+            out.append(area)
+    return out
+
+
+def snapshot_rows(root: str, base: str) -> list[dict[str, Any]]:
+    """``shardpoint ls`` rows for this user's memory snapshots (on this host, under
+    ``base``) of the jobs whose manager root is ``root``: complete ones and torn ones."""
+    from datetime import datetime, timezone
+
+    rows: list[dict[str, Any]] = []
+    for area in list_jobs(base):
+        if area.identity.rsplit("\0root=", 1)[-1] != root:
+            continue
+        run = area.identity.split("\0", 1)[0].removeprefix("run=")
+        done = {s.step: s for s in area.complete()}
+        for step in area.steps():
+            snap = done.get(step)
+            m = snap.manifest if snap is not None else None
+            rows.append({
+                "step": step, "path": os.path.join(area.dir, step_dir(step)), "tier": f"memory (run {run})",
+                "time": datetime.fromtimestamp(m.created, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if m else None,
+                "size": m.own_bytes() if m else None, "referenced": 0 if m else None,
+                "world_size": m.world_size if m else None, "status": "committed" if m else "incomplete",
+                "latest": False, "nonfinite": m.nonfinite if m else None, "metrics": dict(m.metrics) if m else None})
+    return rows

@@ -1,0 +1,220 @@
+"""The memory tier in one process: the knobs, private files, the commit rule of a
+snapshot (a torn one is never chosen), job identity, the drain's bytes against a
+direct durable save, full shared memory (a real 2 MiB tmpfs), and `shardpoint ls`.
+Multi-rank behaviour: tests/distributed/test_tiers.py; kills: tests/failure/test_tiers_sigkill.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardpoint import CheckpointManager
+from shardpoint.errors import UsageError
+from shardpoint.format.digest import unseal
+from shardpoint.format.manifest import MANIFEST_NAME, read_manifest
+from shardpoint.storage import LocalStorage
+from shardpoint.tiers import MemoryTier, TieredLoadReport
+from shardpoint.verify import verify
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh base folder in real shared memory, removed afterwards."""
+    base = Path("/dev/shm") / f"shardpoint-test-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def state(v: float, n: int = 1000) -> dict[str, object]:
+    return {"w": torch.full((n,), v), "b": torch.arange(n, dtype=torch.float64) * v, "step": int(v)}
+
+
+def train(mgr: CheckpointManager, steps: range, n: int = 1000) -> None:
+    for s in steps:
+        mgr.save(state(float(s), n), s)
+    mgr.wait()
+
+
+def tier(shm: Path, **kw: object) -> MemoryTier:
+    return MemoryTier(**{"every": 1, "durable_every": 5, "keep": 2, "path": str(shm), "drain": "thread", **kw})  # type: ignore[arg-type]
+
+
+def test_knobs_are_checked() -> None:
+    with pytest.raises(UsageError, match="replicating snapshots to other hosts is not built yet"):
+        MemoryTier(durable_every=5, replicas=1)
+    with pytest.raises(UsageError, match="durable_every"):
+        MemoryTier()
+    with pytest.raises(UsageError, match="keep=0"):
+        MemoryTier(durable_every=5, keep=0)
+    with pytest.raises(UsageError, match="absolute"):
+        MemoryTier(durable_every=5, path="shm")
+    with pytest.raises(UsageError, match="drain="):
+        MemoryTier(durable_every=5, drain="fork")
+
+
+def test_snapshots_durable_steps_and_bounds(tmp_path: Path, shm: Path) -> None:
+    """Every step is snapshotted, every 5th drained; memory keeps 2 snapshots, the root
+    keep_last=2; restore takes the newest (memory), in files only this user reads."""
+    mgr = CheckpointManager(tmp_path / "root", keep_last=2, memory=tier(shm))
+    train(mgr, range(1, 13))
+    assert [i.step for i in mgr.list()] == [5, 10]
+    area = mgr._tiers.area  # type: ignore[union-attr]
+    assert [s.step for s in area.complete()] == [11, 12]
+    assert stat.S_IMODE(os.stat(area.dir).st_mode) == 0o700
+    for f in Path(area.dir).rglob("*"):
+        assert stat.S_IMODE(f.stat().st_mode) == (0o700 if f.is_dir() else 0o600), f
+    target = state(0.0)
+    report = CheckpointManager(tmp_path / "root", memory=tier(shm)).restore(target)
+    assert isinstance(report, TieredLoadReport)
+    assert (report.step, report.tier, report.source) == (12, "memory", f"{area.dir}/step-00000012")
+    assert torch.equal(target["w"], state(12.0)["w"]) and target["step"] == 12  # type: ignore[arg-type]
+    for i in mgr.list():
+        assert verify(i.path).ok
+
+
+def test_torn_snapshot_is_never_chosen(tmp_path: Path, shm: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3))
+    train(mgr, range(1, 5))
+    area = mgr._tiers.area  # type: ignore[union-attr]
+    d4 = Path(area.dir) / "step-00000004"
+    data = next(p for p in d4.iterdir() if p.suffix == ".safetensors")
+    os.truncate(data, data.stat().st_size - 1)  # a snapshot cut short
+    (Path(area.dir) / "step-00000003" / MANIFEST_NAME).unlink()  # a snapshot killed before its commit
+    target = state(0.0)
+    report = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(target)
+    assert report is not None and (report.step, report.tier) == (2, "memory")  # type: ignore[attr-defined]
+    assert torch.equal(target["b"], state(2.0)["b"])  # type: ignore[arg-type]
+    assert area.steps() == [2]  # the abandoned future (3, 4) is freed after the restore (1: beyond keep=3)
+
+
+def test_durable_wins_when_newer_and_memory_when_torn_everywhere(tmp_path: Path, shm: Path) -> None:
+    mgr = CheckpointManager(tmp_path / "root", memory=tier(shm))
+    train(mgr, range(1, 6))
+    area = mgr._tiers.area  # type: ignore[union-attr]
+    for s in area.steps():
+        (Path(area.dir) / f"step-{s:08d}" / MANIFEST_NAME).unlink()
+    target = state(0.0)
+    report = CheckpointManager(tmp_path / "root", memory=tier(shm)).restore(target)
+    assert report is not None and (report.step, report.tier) == (5, "durable")  # type: ignore[attr-defined]
+    assert torch.equal(target["w"], state(5.0)["w"])  # type: ignore[arg-type]
+    assert CheckpointManager(tmp_path / "empty", memory=tier(shm)).restore(state(0.0)) is None
+
+
+def test_another_jobs_snapshots_are_never_used(tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same base folder, same root: a job of another run id never sees the first's
+    snapshots, not even when they are planted in its own folder."""
+    root = tmp_path / "root"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    a = CheckpointManager(root, memory=tier(shm, durable_every=100))
+    train(a, range(1, 4))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    b = CheckpointManager(root, memory=tier(shm, durable_every=100))
+    assert b.restore(state(0.0)) is None
+    mine = Path(b._tiers.area.dir)  # type: ignore[union-attr]
+    assert mine != Path(a._tiers.area.dir)  # type: ignore[union-attr]
+    shutil.copytree(a._tiers.area.dir, mine)  # type: ignore[union-attr]  # job.json still names job-a
+    target = state(0.0)
+    assert b.restore(target) is None and torch.equal(target["w"], state(0.0)["w"])  # type: ignore[arg-type]
+    c = CheckpointManager(root, memory=tier(shm, durable_every=100, job="job-a"))  # explicit identity: the same job
+    report = c.restore(state(0.0))
+    assert report is not None and report.step == 3
+
+
+def _normalised(folder: Path) -> dict[str, object]:
+    """A checkpoint folder's contents with its save id (in names and bytes), its time,
+    its seal and its indexes' digests (over bytes naming the save id) taken out."""
+    man = read_manifest(LocalStorage(folder))
+    sid = man.save_id.encode()
+    out: dict[str, object] = {}
+    for f in sorted(folder.iterdir()):
+        data = f.read_bytes()
+        if f.name == MANIFEST_NAME:
+            doc = json.loads(unseal(data, str(f)))
+            doc.pop("created")
+            for entry in doc["files"].values():
+                entry["index"].pop("sha256")
+            data = json.dumps(doc, sort_keys=True).encode()
+        out[f.name.replace(man.save_id, "ID")] = data.replace(sid, b"ID")
+    return out
+
+
+def test_drained_checkpoint_equals_a_direct_save(tmp_path: Path, shm: Path) -> None:
+    for drain in ("thread", "process"):
+        tiered = CheckpointManager(tmp_path / drain / "tiered", memory=tier(shm, durable_every=3, drain=drain))
+        direct = CheckpointManager(tmp_path / drain / "direct")
+        st = state(3.0, 300_000)
+        tiered.save(st, 3, metrics={"loss": 1.5})
+        tiered.wait()
+        direct.save(st, 3, metrics={"loss": 1.5})
+        a, b = _normalised(tmp_path / drain / "tiered" / "step-00000003"), _normalised(tmp_path / drain / "direct" / "step-00000003")
+        assert a == b and len(a) == 3, drain
+        assert (tmp_path / drain / "tiered" / "latest").read_bytes() == (tmp_path / drain / "direct" / "latest").read_bytes()
+        snap = Path(tiered._tiers.area.dir) / "step-00000003"  # type: ignore[union-attr]
+        for f in snap.iterdir():  # the durable files are the snapshot's, byte for byte
+            assert (tmp_path / drain / "tiered" / "step-00000003" / f.name).read_bytes() == f.read_bytes()
+        tiered._tiers.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir(parents=True)
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                         capture_output=True, text=True, timeout=30)
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({got.stderr.strip() or got.returncode}); needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def test_full_shared_memory_skips_snapshots_not_training(tmp_path: Path) -> None:
+    """A 2 MiB tmpfs holds one snapshot of a 1.2 MB state, not two: later snapshots are
+    skipped with a warning, steps due for durability are saved directly, the run finishes."""
+    with small_tmpfs(tmp_path / "tmpfs", "2m") as small:
+        mgr = CheckpointManager(tmp_path / "root", memory=tier(small, durable_every=3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(mgr, range(1, 8), n=75_000)
+        skipped = mgr._tiers.skipped  # type: ignore[union-attr]
+        assert skipped and 1 not in skipped, skipped
+        assert any("skipped: shared memory" in str(w.message) for w in caught)
+        assert [i.step for i in mgr.list()] == [3, 6]
+        for i in mgr.list():
+            assert verify(i.path).ok
+        target = state(0.0, 75_000)
+        report = CheckpointManager(tmp_path / "root", memory=tier(small, durable_every=3)).restore(target)
+        assert report is not None and report.step is not None and report.step >= 6
+        assert torch.equal(target["w"], state(float(report.step), 75_000)["w"])  # type: ignore[arg-type]
+
+
+def test_ls_shows_the_tiers(tmp_path: Path, shm: Path) -> None:
+    from shardpoint.cli import main
+
+    mgr = CheckpointManager(tmp_path / "root", memory=tier(shm))
+    train(mgr, range(1, 7))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ls", str(tmp_path / "root"), "--json", "--memory-path", str(shm)]) == 0
+    rows = json.loads(buf.getvalue())
+    assert [(r["step"], r["tier"].split(" ")[0], r["status"]) for r in rows] == [
+        (5, "durable", "committed"), (5, "memory", "committed"), (6, "memory", "committed")]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ls", str(tmp_path / "root"), "--memory-path", str(shm)]) == 0
+    assert "memory" in buf.getvalue() and "durable" in buf.getvalue()
