@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,15 +23,18 @@ from .saving.pipeline import SaveOptions, save_state
 from .storage import Storage, storage_for
 from .tree import matches_prefix
 
+if TYPE_CHECKING:  # types only
+    from torch.distributed import ProcessGroup
+
 PathLike = str | os.PathLike[str] | Storage
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def save(
-    state: Any,
+    state: object,
     path: PathLike,
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     overwrite: bool = False,
     blocking: bool = True,
@@ -77,14 +80,14 @@ def save(
 
 
 def load(
-    state: Any,
+    state: object,
     path: PathLike,
     *,
     strict: bool = True,
     only: list[str] | str | None = None,
     exclude: list[str] | str | None = None,
     create: bool = True,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
@@ -170,7 +173,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     )
 
 
-def save_offline(rank_states: Iterable[tuple[int, Any]], path: PathLike, *, world_size: int, overwrite: bool = False,
+def save_offline(rank_states: Iterable[tuple[int, object]], path: PathLike, *, world_size: int, overwrite: bool = False,
                  storage_options: dict[str, Any] | None = None) -> None:
     """Write a checkpoint as if ``world_size`` ranks had saved it, from one process,
     holding one rank's state at a time (converters). Replicated chunks are written

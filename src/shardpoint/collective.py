@@ -29,12 +29,16 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import CollectiveMismatchError, ShardpointError
 from .runtime import PROCESS
+
+if TYPE_CHECKING:  # types only
+    from torch.distributed import ProcessGroup
 
 #: Timeout of the checkpoint lanes' collectives (a save's data phase can take long;
 #: arrival is bounded separately by the call's ``timeout``).
@@ -55,7 +59,7 @@ _POLL = timedelta(seconds=0.25)
 
 
 
-def _dist() -> Any:
+def _dist() -> ModuleType | None:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
@@ -94,12 +98,12 @@ class _Channel(_Background):
     other user of the data lane.
     """
 
-    def __init__(self, dist: Any, tag: str, ranks: list[int]) -> None:
+    def __init__(self, dist: ModuleType, tag: str, ranks: list[int]) -> None:
         self.dist, self.tag, self.ranks = dist, tag, ranks
         self.world_pg = dist.group.WORLD  # a new default group (after destroy + init) gets a new channel
         self.seq = 0
-        self.data: Any = None
-        self.ctl: Any = None
+        self.data: ProcessGroup | None = None
+        self.ctl: ProcessGroup | None = None
         self.background: threading.Thread | None = None
         self.closing = False
         #: An arrival kept for the next call (``Comm.arrive(..., hold=True)``): its
@@ -163,7 +167,7 @@ def _solo() -> _Solo:
         return s
 
 
-def _channel(dist: Any, tag: str, ranks: list[int]) -> _Channel:
+def _channel(dist: ModuleType, tag: str, ranks: list[int]) -> _Channel:
     with PROCESS.channel_lock:
         ch = PROCESS.channels.get(tag)
         if not isinstance(ch, _Channel) or ch.world_pg is not dist.group.WORLD:
@@ -187,7 +191,7 @@ def close_channels(release: bool = False) -> None:
 class Comm:
     """Rank, world size and JSON collectives of one process group."""
 
-    def __init__(self, process_group: Any = None, timeout: timedelta | float = timedelta(minutes=10),
+    def __init__(self, process_group: ProcessGroup | None = None, timeout: timedelta | float = timedelta(minutes=10),
                  arrival_tag: str | None = None) -> None:
         self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         #: With a tag, ranks meet by (operation, path, tag) instead of by call order
@@ -420,19 +424,25 @@ class Comm:
         t.start()
         return t
 
-    def all_gather_json(self, obj: Any) -> list[Any]:
+    @property
+    def _td(self) -> ModuleType:
+        """torch.distributed, in the collectives (only reached with a process group)."""
+        assert self.dist is not None
+        return self.dist
+
+    def all_gather_json(self, obj: object) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), in rank order."""
         if self.store is None:
             return [obj]
         data = json.dumps(obj, separators=(",", ":")).encode()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self._run(self.dist.all_gather, sizes, size)
+        self._run(self._td.all_gather, sizes, size)
         n = max(int(s.item()) for s in sizes)
         buf = torch.zeros(n, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
         outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
-        self._run(self.dist.all_gather, outs, buf)
+        self._run(self._td.all_gather, outs, buf)
         PROCESS.seams.traffic.add(8 * self.world + n * self.world)
         return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
@@ -441,12 +451,12 @@ class Comm:
         if self.store is None:
             return flags
         out = flags.clone()
-        self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX)
+        self._run(self._td.all_reduce, out, op=self._td.ReduceOp.MAX)
         PROCESS.seams.traffic.add(out.numel() * out.element_size())
         return out
 
     # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
-    def gather_json(self, obj: Any) -> list[Any] | None:
+    def gather_json(self, obj: object) -> list[Any] | None:
         """Every rank's ``obj`` (JSON-serialisable) on rank 0 of the group, in rank
         order; None on the other ranks, which receive nothing. Sizes travel first (one
         int64 per rank, gathered), then each payload point-to-point at its own size, so
@@ -458,18 +468,18 @@ class Comm:
         size = torch.tensor([len(data)], dtype=torch.int64)
         root = self.ranks[0]
         if self.rank != 0:
-            self._run(self.dist.gather, size, None, dst=root)
+            self._run(self._td.gather, size, None, dst=root)
             if data:
-                self._run(self.dist.send, _as_tensor(data), dst=root)
+                self._run(self._td.send, _as_tensor(data), dst=root)
             PROCESS.seams.traffic.ops += 1
             return None
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self._run(self.dist.gather, size, sizes, dst=root)
+        self._run(self._td.gather, size, sizes, dst=root)
         ns = [int(s.item()) for s in sizes]
         bufs = [torch.empty(n, dtype=torch.uint8) for n in ns]
 
         def recv_all(group: Any) -> None:
-            works = [self.dist.irecv(bufs[r], src=self.ranks[r], group=group) for r in range(1, self.world) if ns[r]]
+            works = [self._td.irecv(bufs[r], src=self.ranks[r], group=group) for r in range(1, self.world) if ns[r]]
             for w in works:
                 w.wait()
 
@@ -477,7 +487,7 @@ class Comm:
         PROCESS.seams.traffic.add(8 * self.world + sum(ns[1:]))
         return [obj] + [json.loads(bytes(b.numpy())) for b in bufs[1:]]
 
-    def scatter_json(self, objs: list[Any] | None) -> Any:
+    def scatter_json(self, objs: list[object] | None) -> Any:
         """Rank 0 gives ``objs[r]`` to rank ``r`` (``objs`` is ignored elsewhere); each
         rank receives only its own object (its size, then its bytes)."""
         if self.store is None:
@@ -489,10 +499,10 @@ class Comm:
             assert objs is not None and len(objs) == self.world
             datas = [_encode(o) for o in objs]
             sizes = [torch.tensor([len(d)], dtype=torch.int64) for d in datas]
-            self._run(self.dist.scatter, size, sizes, src=root)
+            self._run(self._td.scatter, size, sizes, src=root)
 
             def send_all(group: Any) -> None:
-                works = [self.dist.isend(_as_tensor(datas[r]), dst=self.ranks[r], group=group)
+                works = [self._td.isend(_as_tensor(datas[r]), dst=self.ranks[r], group=group)
                          for r in range(1, self.world) if datas[r]]
                 for w in works:
                     w.wait()
@@ -500,26 +510,26 @@ class Comm:
             self._run(send_all)
             PROCESS.seams.traffic.ops += 1
             return objs[0]
-        self._run(self.dist.scatter, size, None, src=root)
+        self._run(self._td.scatter, size, None, src=root)
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8)
         if n:
-            self._run(self.dist.recv, buf, src=root)
+            self._run(self._td.recv, buf, src=root)
         PROCESS.seams.traffic.add(8 + n)
         return json.loads(bytes(buf.numpy()))
 
-    def broadcast_json(self, obj: Any) -> Any:
+    def broadcast_json(self, obj: object) -> Any:
         """Rank 0's ``obj`` on every rank (``obj`` is ignored elsewhere)."""
         if self.store is None:
             return obj
         root = self.ranks[0]
         data = _encode(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._run(self.dist.broadcast, size, src=root)
+        self._run(self._td.broadcast, size, src=root)
         n = int(size.item())
         buf = _as_tensor(data) if self.rank == 0 else torch.empty(n, dtype=torch.uint8)
         if n:
-            self._run(self.dist.broadcast, buf, src=root)
+            self._run(self._td.broadcast, buf, src=root)
         if self.rank == 0:
             PROCESS.seams.traffic.ops += 1
             return obj
@@ -535,7 +545,7 @@ class Comm:
         out = torch.tensor([1 if flag else 0], dtype=torch.uint8)
         assert self.channel is not None
         self.channel.open()
-        self._run(self.dist.all_reduce, out, op=self.dist.ReduceOp.MAX, lane="ctl")
+        self._run(self._td.all_reduce, out, op=self._td.ReduceOp.MAX, lane="ctl")
         return bool(out[0])
 
     def _run(self, collective: Any, *args: Any, lane: str = "data", **kwargs: Any) -> None:
@@ -615,7 +625,7 @@ class Comm:
         )
 
 
-def _encode(obj: Any) -> bytes:
+def _encode(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -648,7 +658,8 @@ def _raise_failed(comm: Comm, failed: list[tuple[int, dict[str, Any]]], error: B
     raise cls(msg + "; see that rank's error for the cause and fix it there")
 
 
-def coordinate(comm: Comm, payload: Any, error: BaseException | None, decide: Any) -> Any:
+def coordinate(comm: Comm, payload: object, error: BaseException | None,
+               decide: Callable[[list[Any]], list[Any]]) -> Any:
     """One round of the coordinator pattern: every rank's ``payload`` (or the error it
     hit) goes to rank 0, which calls ``decide(payloads) -> replies`` (one reply per
     rank) and sends each rank only its own reply. If any rank failed, or ``decide``
@@ -689,7 +700,7 @@ def coordinate(comm: Comm, payload: Any, error: BaseException | None, decide: An
     return reply["payload"]
 
 
-def agree(comm: Comm, payload: Any, error: BaseException | None) -> list[Any]:
+def agree(comm: Comm, payload: object, error: BaseException | None) -> list[Any]:
     """Exchange each rank's ``payload`` or error; if any rank failed, raise on every
     rank (the failing rank re-raises its own exception)."""
     mine = {"ok": error is None, "payload": payload if error is None else None}
