@@ -30,8 +30,9 @@ from .collective import Comm, coordinate
 from .errors import ShardpointError
 from .format.datafile import dtype_name, write_data_file
 from .format.index import chunk_name, digest, index_bytes, index_name
-from .format.manifest import MANIFEST_NAME, committed, encode_value, read_manifest
+from .format.manifest import MANIFEST_NAME, encode_value
 from .layout import chunks_of
+from .load.locate import committed, read_manifest
 from .storage import Storage
 from .tree import Walk, walk
 

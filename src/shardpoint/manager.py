@@ -16,8 +16,9 @@ from ._incremental import Tracker
 from .api import DEFAULT_TIMEOUT, PathLike, load, save
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.digest import is_sealed, seal, unseal
-from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.manifest import MANIFEST_NAME
 from .format.refs import split_ref
+from .load.locate import read_manifest
 from .report import LoadReport
 from .storage import Storage, storage_for
 

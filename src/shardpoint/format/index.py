@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CorruptCheckpointError
 from .datafile import WrittenChunk
@@ -86,11 +86,11 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
     if not isinstance(chunks, dict):
         raise bad("'chunks' is not an object")
     out: dict[str, Located] = {}
-    for name, e in chunks.items():
-        if not (isinstance(e, list) and len(e) in (3, 4) and _is_count(e[0]) and _is_count(e[1]) and isinstance(e[2], list)):
+    for name, rec in chunks.items():
+        if not (isinstance(rec, list) and len(rec) in (3, 4) and _is_count(rec[0]) and _is_count(rec[1]) and isinstance(rec[2], list)):
             raise bad(f"chunk {name!r} is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]")
-        off, length, crcs = e[:3]
-        ref = e[3] if len(e) == 4 else None
+        off, length, crcs = rec[:3]
+        ref = rec[3] if len(rec) == 4 else None
         if ref is not None:
             if not isinstance(ref, str) or ref not in (refs or {}):
                 raise bad(f"chunk {name!r} refers to {str(ref)[:120]!r}, which the manifest's 'refs' does not list")
@@ -111,5 +111,5 @@ def check_record(rec: Any) -> bool:
             and isinstance(rec.get("sha256"), str) and bool(_SHA256.match(rec["sha256"])))
 
 
-def _is_count(x: Any) -> bool:
+def _is_count(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
