@@ -26,7 +26,7 @@ from ..format.manifest import Manifest
 from ..report import LoadReport
 from ..storage import Storage
 from .locate import Locator, committed, read_manifest
-from .place import Collect, TreeLoad, _Selector, fill_all, load_per_rank, materialise_tree
+from .place import Collect, TreeLoad, _Selector, build, fill_all, load_per_rank, materialise_tree
 from .read import Reader, plan_jobs
 
 
@@ -80,7 +80,7 @@ def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> 
     reads = Collect(manifest, Locator(storage, manifest))
     value = materialise_tree(manifest.tree, "", reads, select=_Selector(keys, None))
     _read(reads, verify)
-    return value
+    return build(value)
 
 
 def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadReport, strict: bool, rank: int,

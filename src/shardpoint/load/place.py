@@ -1,25 +1,33 @@
-"""Place: walk the local state against the checkpoint's keys, collect the tensors
-to read (:class:`~shardpoint.load.read.Target`), create what no rank holds, then
-put every value in place, call ``load_state_dict`` and fill the report."""
+"""Place, create, report: check the local state's keys against the checkpoint,
+collect the tensors to read (:class:`Collect`), create what no rank holds, then
+(after the reads) put every value in place, call ``load_state_dict`` and fill the
+report.
+
+Created values are the keys a lazily built state lacks (an optimizer's state
+before its first step) and whole saved (sub)trees (``load_full``, a per-rank value
+no rank has): containers take the types they were saved with, empty ones
+included; tensors are allocated and read by the read stage
+(:class:`~shardpoint.load.read.Fresh`) and the values built (:func:`build`) once
+they are."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, KeyMismatchError, ShardpointError
+from ..errors import CorruptCheckpointError, KeyMismatchError
 from ..format.boxes import Box
 from ..format.chunks import TensorSpec
 from ..format.manifest import Manifest, Tree
 from ..layout import chunks_of
 from ..layout.local import LocalChunks
 from ..report import LoadReport
-from ..tree import Node, PerRank, Walk, decode_key, encode_key, join, matches_prefix
+from ..tree import Node, PerRank, Walk, decode_key, join, matches_prefix
 from .locate import Locator
-from .read import Target
+from .read import Fresh, Target
 
 
 @dataclass(slots=True)
@@ -32,7 +40,14 @@ class Collect:
     targets: list[Target] = field(default_factory=list)
 
     def add(self, spec: TensorSpec, boxes: list[Box], views: list[torch.Tensor], per_rank: bool) -> None:
+        """Read ``spec``'s ``boxes`` into ``views`` (this rank's tensors)."""
         self.targets.append(Target(spec, boxes, views, per_rank))
+
+    def create(self, spec: TensorSpec, per_rank: bool) -> Fresh:
+        """Create ``spec``'s tensor whole (allocated by :func:`plan_jobs`) and read it."""
+        fresh = Fresh(spec)
+        self.targets.append(Target(spec, [Box((0,) * len(spec.shape), spec.shape)], [], per_rank, fresh))
+        return fresh
 
 
 class _Selector:
@@ -60,7 +75,7 @@ class TreeLoad:
     rank: int = 0
     per_rank: bool = False  # a per-rank value's tree (its chunks are named apart in the data files)
     local: dict[str, LocalChunks] = field(default_factory=dict)  # key -> what this rank holds of the tensor
-    hollow: dict[str, list[tuple[Any, str]]] | None = None  # see hollow_containers; computed on first use
+    shape: Shape | None = None  # the saved containers, for what is created; made on first use
 
     def check(self, strict: bool) -> None:
         """Keys and shapes, before anything is modified."""
@@ -140,41 +155,45 @@ class TreeLoad:
                 r.per_rank[key] = "restored" if sub is not None else "kept"
                 if sub is None:
                     continue
-                value: Any = PerRank(materialise_tree(sub, key, reads, per_rank=True))
+                value: Any = _Wrap(PerRank, materialise_tree(sub, key, reads, per_rank=True))
             else:
                 value = leaf_value(key, self.tree, reads, self.per_rank)
-            path = decode_key(key)
-            anc_path = decode_key(anchor)
-            self._insert(anchor, path[len(anc_path) :], value)
+            self._insert(anchor, key, value)
             r.created.append(key)
             self.touched.add(key)
 
     def _anchor(self, key: str) -> str | None:
-        """The deepest local container above ``key``, unless a local leaf is in the way."""
-        path = decode_key(key)
-        for n in range(len(path) - 1, -1, -1):
-            k = "" if n == 0 else encode_key(path[:n])
+        """The deepest local container above ``key``, unless a local leaf is in the way.
+        (An encoded key's parents are its prefixes up to a ``/``: no segment holds one.)"""
+        if key == "":
+            return None
+        i = len(key)
+        while i > 0:
+            i = max(key.rfind("/", 0, i), 0)
+            k = key[:i]
             if k in self.walk.leaves or k in self.walk.per_rank:
                 return None
             if k in self.walk.containers:
                 return k
         return None
 
-    def _insert(self, anchor: str, rel: tuple[Any, ...], value: Any) -> None:
-        """Record ``value`` to be placed at ``anchor``/rel, creating containers of the
-        saved types on the way (built as dicts now, typed in :meth:`_typed`)."""
+    def _insert(self, anchor: str, key: str, value: Any) -> None:
+        """Record ``value`` to be placed at ``key``, below the local container
+        ``anchor``, creating containers of the saved types on the way."""
+        if self.shape is None:
+            self.shape = Shape(self.tree, self.select, extra=self.walk.containers)
+        base, path = self.shape.path[anchor], self.shape.path[key]
+        rel = path[len(base):]
         head = rel[0]
         lst = self.pending.setdefault(anchor, [])
         if len(rel) == 1:
             lst.append((head, value))
             return
         for seg, sub in lst:
-            if seg == head and isinstance(sub, _Pending):
+            if seg == head and isinstance(sub, Pending):
                 sub.put(rel[1:], value)
                 return
-        if self.hollow is None:
-            self.hollow = hollow_containers(self.tree, self.select)
-        p = _Pending(join(anchor, head), self.tree.containers, self.hollow)
+        p = Pending(base + rel[:1], self.shape)
         p.put(rel[1:], value)
         lst.append((head, p))
 
@@ -190,7 +209,7 @@ class TreeLoad:
                 if k != "tuple" and obj[seg] is not v:
                     obj[seg] = v
             for seg, v in sorted(self.pending.get(key, []), key=lambda sv: (isinstance(sv[0], str), sv[0])):
-                v = v.build() if isinstance(v, _Pending) else v
+                v = build(v)
                 if k == "dict":
                     obj[seg] = v
                 elif seg == len(items):
@@ -212,110 +231,6 @@ class TreeLoad:
         if k == "tensor":
             return node.obj
         return self.values.get(key, node.obj)
-
-
-def hollow_containers(tree: Tree, select: Callable[[str], bool] | None = None) -> dict[str, list[tuple[Any, str]]]:
-    """The saved containers with no entry beneath them (``{}``, ``[]``, ``[{}]``), by
-    parent key, as ``(segment, key)``: building a container must bring these back,
-    or an optimizer saved before its first step loses its empty ``state`` dict."""
-    filled = {""}
-    for k in tree.entries:
-        i = k.find("/")
-        while i != -1:
-            filled.add(k[:i])
-            i = k.find("/", i + 1)
-        filled.add(k)
-    out: dict[str, list[tuple[Any, str]]] = {}
-    for c in tree.containers:
-        if c in filled or (select is not None and not select(c)):
-            continue
-        parent = c.rsplit("/", 1)[0] if "/" in c else ""
-        out.setdefault(parent, []).append((decode_key(c)[-1], c))
-    return out
-
-
-class _Pending:
-    """A container created on load, built from the saved container types.
-
-    ``hollow`` (from :func:`hollow_containers`) adds the saved empty containers."""
-
-    def __init__(self, key: str, types: dict[str, str], hollow: dict[str, list[tuple[Any, str]]] | None = None) -> None:
-        self.key, self.types = key, types
-        self.items: dict[Any, Any] = {}
-        self.hollow = hollow or {}
-
-    def put(self, rel: tuple[Any, ...], value: Any) -> None:
-        if len(rel) == 1:
-            self.items[rel[0]] = value
-            return
-        sub = self.items.get(rel[0])
-        if not isinstance(sub, _Pending):
-            sub = self.items[rel[0]] = _Pending(join(self.key, rel[0]), self.types, self.hollow)
-        sub.put(rel[1:], value)
-
-    def build(self) -> Any:
-        kind = self.types.get(self.key, "dict")
-        for seg, ckey in self.hollow.get(self.key, ()):
-            if seg not in self.items:
-                self.items[seg] = _Pending(ckey, self.types, self.hollow)
-        vals = {k: (v.build() if isinstance(v, _Pending) else v) for k, v in self.items.items()}
-        if kind in ("list", "tuple"):
-            seq = [vals[i] for i in sorted(k for k in vals if isinstance(k, int))]
-            return seq if kind == "list" else tuple(seq)
-        return vals
-
-
-def materialise_tree(tree: Tree, key: str, reads: Collect, per_rank: bool = False,
-                     select: Callable[[str], bool] | None = None) -> Any:
-    """Build the value of a whole saved (sub)tree rooted at ``key`` (tensors are
-    allocated and collected in ``reads``; a per-rank value becomes ``{rank: value}``).
-    ``select`` limits it to some keys."""
-    if key in tree.entries and (select is None or select(key)):
-        return _entry_value(key, tree, reads, per_rank)
-    root = _Pending(key, tree.containers, hollow_containers(tree, select))
-    base = len(decode_key(key))
-    for k in tree.entries:
-        if select is None or select(k):
-            root.put(decode_key(k)[base:], _entry_value(k, tree, reads, per_rank))
-    return root.build()
-
-
-def _entry_value(key: str, tree: Tree, reads: Collect, per_rank: bool) -> Any:
-    if key in tree.per_rank and not per_rank:
-        return {r: materialise_tree(sub, key, reads, per_rank=True) for r, sub in tree.per_rank[key].items()}
-    return leaf_value(key, tree, reads, per_rank)
-
-
-def leaf_value(key: str, tree: Tree, reads: Collect, per_rank: bool = False) -> Any:
-    """A new value for the saved leaf ``key`` of ``tree`` (CPU tensor, numpy array or plain value)."""
-    if key in tree.values:
-        return tree.values[key]
-    spec = tree.tensors.get(key)
-    if spec is None:
-        raise CorruptCheckpointError(f"entry {key!r}: a per-rank entry cannot appear inside a per-rank value")
-    t = _allocate(spec, reads.locator)
-    reads.add(spec, [Box((0,) * len(spec.shape), spec.shape)], [t], per_rank)
-    return t.numpy() if spec.numpy else t
-
-
-#: Tensors at least this large are allocated only after their files are seen to hold their bytes.
-_CHECK_BEFORE_ALLOC = 64 << 20
-
-
-def _allocate(spec: TensorSpec, locator: Locator) -> torch.Tensor:
-    """An empty tensor for a saved leaf. A manifest's shape is only a claim: for a
-    large tensor, first check that its files really hold its bytes, so a damaged or
-    hostile manifest cannot ask for a petabyte."""
-    nbytes = torch.Size(spec.shape).numel() * spec.itemsize
-    if nbytes >= _CHECK_BEFORE_ALLOC:
-        locator.check_holds(spec)
-    try:
-        return torch.empty(spec.shape, dtype=spec.dtype)
-    except (RuntimeError, MemoryError) as err:
-        raise ShardpointError(
-            f"key {spec.key!r}: cannot allocate a {spec.dtype_name} tensor of shape {list(spec.shape)} ({nbytes} bytes) to "
-            f"load it into ({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
-        ) from None
 
 
 def load_per_rank(key: str, node_walk: Walk, saved: dict[int, Tree], rank: int,
@@ -351,3 +266,111 @@ def _set_per_rank_value(node: Node, sub: Walk, value: Any) -> bool:
         if _set_per_rank_value(child, sub, value):
             return True
     return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, sub, value)
+
+
+Path = tuple[str | int, ...]
+
+
+class Shape:
+    """The saved containers of one tree by decoded path: the types and the empty
+    containers that building created values needs. Every key is decoded once, here."""
+
+    def __init__(self, tree: Tree, select: Callable[[str], bool] | None, extra: Iterable[str] = ()) -> None:
+        keys = [*tree.containers, *tree.entries, *extra]
+        self.path: dict[str, Path] = dict(zip(keys, map(decode_key, keys)))
+        self.types: dict[Path, str] = {self.path[c]: t for c, t in tree.containers.items()}
+        filled: set[Path] = {()}
+        for k in tree.entries:
+            p = self.path[k]
+            filled.update(p[:n] for n in range(len(p) + 1))
+        #: The saved containers with no entry beneath them (``{}``, ``[]``, ``[{}]``) by their parent's
+        #: path: building a container brings these back, or an optimizer saved before its first step
+        #: loses its empty ``state`` dict.
+        self.hollow: dict[Path, list[Path]] = {}
+        for c in tree.containers:
+            p = self.path[c]
+            if p not in filled and (select is None or select(c)):
+                self.hollow.setdefault(p[:-1], []).append(p)
+
+
+class Pending:
+    """A container created on load, built (:meth:`build`) once its values are read."""
+
+    def __init__(self, path: Path, shape: Shape) -> None:
+        self.path, self.shape = path, shape
+        self.items: dict[str | int, Any] = {}
+
+    def put(self, rel: Path, value: Any) -> None:
+        """Put ``value`` at ``rel`` below this container, creating containers on the way."""
+        if len(rel) == 1:
+            self.items[rel[0]] = value
+            return
+        sub = self.items.get(rel[0])
+        if not isinstance(sub, Pending):
+            sub = self.items[rel[0]] = Pending(self.path + rel[:1], self.shape)
+        sub.put(rel[1:], value)
+
+    def build(self) -> Any:
+        kind = self.shape.types.get(self.path, "dict")
+        for p in self.shape.hollow.get(self.path, ()):
+            if p[-1] not in self.items:
+                self.items[p[-1]] = Pending(p, self.shape)
+        vals = {k: build(v) for k, v in self.items.items()}
+        if kind in ("list", "tuple"):
+            seq = [vals[i] for i in sorted(k for k in vals if isinstance(k, int))]
+            return seq if kind == "list" else tuple(seq)
+        return vals
+
+
+def materialise_tree(tree: Tree, key: str, reads: Collect, per_rank: bool = False,
+                     select: Callable[[str], bool] | None = None) -> Any:
+    """The value of a whole saved (sub)tree rooted at ``key``, to :func:`build` once
+    its tensors (collected in ``reads``) are read. A per-rank value becomes
+    ``{rank: value}``; ``per_rank``: the tree is one rank's value (its chunks are
+    named apart). ``select`` limits it to some keys."""
+    if key in tree.entries and (select is None or select(key)):
+        value = _entry_value(key, tree, reads, per_rank)
+    else:
+        shape = Shape(tree, select, extra=(key,))
+        base = shape.path[key]
+        value = Pending(base, shape)
+        for k in tree.entries:
+            if select is None or select(k):
+                value.put(shape.path[k][len(base):], _entry_value(k, tree, reads, per_rank))
+    return value
+
+
+def build(value: Any) -> Any:
+    """``value`` with everything created in it built (after the reads)."""
+    if isinstance(value, Fresh):
+        assert value.tensor is not None, "built before it was read"
+        return value.tensor.numpy() if value.spec.numpy else value.tensor
+    return value.build() if isinstance(value, (Pending, _Wrap)) else value
+
+
+class _Wrap:
+    """A created value that ``make`` wraps once built (a :class:`PerRank`, the ``{rank: value}`` of ``load_full``)."""
+
+    def __init__(self, make: Callable[[Any], Any], value: Any) -> None:
+        self.make, self.value = make, value
+
+    def build(self) -> Any:
+        return self.make(build(self.value))
+
+
+def _entry_value(key: str, tree: Tree, reads: Collect, per_rank: bool) -> Any:
+    if key in tree.per_rank and not per_rank:
+        ranks = {r: materialise_tree(sub, key, reads, per_rank=True) for r, sub in tree.per_rank[key].items()}
+        return _Wrap(lambda d: {r: build(v) for r, v in d.items()}, ranks)
+    return leaf_value(key, tree, reads, per_rank)
+
+
+def leaf_value(key: str, tree: Tree, reads: Collect, per_rank: bool = False) -> Any:
+    """A new value for the saved leaf ``key`` of ``tree`` (a plain value, or a tensor
+    or numpy array to :func:`build` once read)."""
+    if key in tree.values:
+        return tree.values[key]
+    spec = tree.tensors.get(key)
+    if spec is None:
+        raise CorruptCheckpointError(f"entry {key!r}: a per-rank entry cannot appear inside a per-rank value")
+    return reads.create(spec, per_rank)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.boxes import Box
 from ..format.chunks import ChunkLoc, TensorSpec
 from ..format.datafile import crc32
@@ -43,13 +43,26 @@ _PIECE_DIRECT = 4 << 20
 _PIECE = 8 << 20
 
 
+@dataclass(slots=True)
+class Fresh:
+    """A tensor the load creates (no local object holds the key). The read stage
+    allocates it, once its files are seen to hold its bytes (a manifest's shape is
+    only a claim: a damaged or hostile one must not make a load ask for a
+    petabyte), and reads it."""
+
+    spec: TensorSpec
+    tensor: torch.Tensor | None = None
+
+
 class Target(NamedTuple):
-    """A tensor to fill: its saved description and the views that hold this rank's boxes of it."""
+    """A tensor to fill: its saved description and the views that hold this rank's
+    boxes of it, or (``fresh``) a tensor to create whole."""
 
     spec: TensorSpec
     boxes: list[Box]
     views: list[torch.Tensor]
     per_rank: bool
+    fresh: Fresh | None = None
 
 
 class ReadJob(NamedTuple):
@@ -75,6 +88,9 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     jobs: list[ReadJob] = []
     for t in targets:
         spec = t.spec
+        if t.fresh is not None:
+            t.fresh.tensor = _allocate(spec, locator)
+            t = t._replace(views=[t.fresh.tensor])
         chunks = spec.chunks()
         boxes = [c.box for c in chunks]
         if spec.listed:
@@ -97,6 +113,25 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             jobs.append(ReadJob(spec.key, loc, chunks[op.source].box, op.region, op.first * size, op.last * size,
                                 op.runs == 1, spec.dtype, dst))
     return jobs
+
+
+#: Tensors at least this large are allocated only after their files are seen to hold their bytes.
+_CHECK_BEFORE_ALLOC = 64 << 20
+
+
+def _allocate(spec: TensorSpec, locator: Locator) -> torch.Tensor:
+    """An empty CPU tensor for a created key; a large one only once its files are
+    seen to hold its bytes."""
+    nbytes = spec.nbytes
+    if nbytes >= _CHECK_BEFORE_ALLOC:
+        locator.check_holds(spec)
+    try:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    except (RuntimeError, MemoryError) as err:
+        raise ShardpointError(
+            f"key {spec.key!r}: cannot allocate a {spec.dtype_name} tensor of shape {list(spec.shape)} ({nbytes} bytes) to "
+            f"load it into ({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
+        ) from None
 
 
 @dataclass(slots=True)
