@@ -20,7 +20,7 @@ import torch
 
 from .boxes import Box
 from .datafile import dtype_from_name
-from .layouts import expand
+from .layouts import MEMO_MAX, expand
 
 
 class ChunkLoc(NamedTuple):
@@ -46,6 +46,10 @@ class SavedChunk(NamedTuple):
     """Where its bytes lie when the manifest says it (version 1); else in the index of ``rank``'s file."""
 
 
+#: The chunks of version 2 layouts already expanded, by :func:`~.layouts.layout_key` (immutable, shared).
+_expanded: dict[str, tuple[SavedChunk, ...]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A tensor entry of a manifest, checked and typed (its chunks are expanded from
@@ -61,6 +65,8 @@ class TensorSpec:
     """The manifest's format version (how ``entry`` describes the chunks)."""
     entry: dict[str, Any] = field(repr=False, compare=False)
     """The manifest's entry as parsed from JSON (already checked)."""
+    layout: str | None = field(default=None, repr=False, compare=False)
+    """Its layout's :func:`~.layouts.layout_key` (tensors of one layout share their expanded chunks)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,7 +87,15 @@ class TensorSpec:
         if self.version < 2:  # every chunk listed with its place
             return tuple(SavedChunk(Box(tuple(c["offsets"]), tuple(c["sizes"])), -1,
                                     ChunkLoc(c["file"], c["offset"], c["length"], c["crc32"])) for c in e["chunks"])
-        return tuple(SavedChunk(Box(off, size), rank, None) for off, size, rank in expand(e, self.shape))
+        key = self.layout
+        got = _expanded.get(key) if key is not None else None
+        if got is None:
+            got = tuple(SavedChunk(Box(off, size), rank, None) for off, size, rank in expand(e, self.shape))
+            if key is not None:
+                if len(_expanded) >= MEMO_MAX:
+                    _expanded.clear()
+                _expanded[key] = got
+        return got
 
     @property
     def nbytes(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,9 +49,36 @@ def _cuts_of(spec: Any, n: int) -> list[int] | None:
     return None
 
 
-def check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | None:
+#: Most layouts remembered as checked (a model's tensors share a handful of layouts: the
+#: 20,000 tensor entries of a manifest are checked in a few hundred distinct calls).
+MEMO_MAX = 1 << 14
+_checked: dict[str, str | None] = {}
+
+
+def layout_key(entry: dict[str, Any], shape: Sequence[int], world_size: int) -> str | None:
+    """A text that equal grid or flat layouts (of equal shapes, in jobs of ``world_size``)
+    share, to remember work on one; None for a chunk list (rarely shared)."""
+    if "chunks" in entry:
+        return None
+    return f"{'grid' in entry}{'flat' in entry}{list(shape)!r}{entry.get('grid')!r}{entry.get('flat')!r}{world_size}"
+
+
+def check(entry: dict[str, Any], shape: list[int], world_size: int, key: str | None = None) -> str | None:
     """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
-    pieces tile ``shape`` exactly and every rank is one of the saving job's."""
+    pieces tile ``shape`` exactly and every rank is one of the saving job's. ``key``:
+    the entry's :func:`layout_key`, where the caller has it."""
+    key = key or layout_key(entry, shape, world_size)
+    if key is not None and key in _checked:
+        return _checked[key]
+    why = _check(entry, shape, world_size)
+    if key is not None:
+        if len(_checked) >= MEMO_MAX:
+            _checked.clear()
+        _checked[key] = why
+    return why
+
+
+def _check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | None:
     numel = math.prod(shape)
     forms = [f for f in ("grid", "flat", "chunks") if f in entry]
     if len(forms) != 1:

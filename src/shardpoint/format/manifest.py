@@ -306,10 +306,10 @@ def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: 
         if kind == "value":
             tree.values[key] = decode_value(e.get("value"), where=f"entry {key!r}")
         elif kind == "tensor":
-            _check_tensor(key, e, files, block, bad, ws, version)
+            layout = _check_tensor(key, e, files, block, bad, ws, version)
             name = e["dtype"]
             tree.tensors[key] = TensorSpec(key=key, dtype_name=name, itemsize=ITEMSIZES[name], shape=tuple(e["shape"]),
-                                           numpy=bool(e.get("numpy")), version=version, entry=e)
+                                           numpy=bool(e.get("numpy")), version=version, entry=e, layout=layout)
         elif kind == "per_rank" and depth == 0:
             ranks = e.get("ranks")
             if not isinstance(ranks, dict):
@@ -324,7 +324,9 @@ def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: 
     return tree
 
 
-def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int, version: int) -> None:
+def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int,
+                  version: int) -> str | None:
+    """Check a tensor entry; returns its layout's key (version 2)."""
     dtype, shape, chunks = e.get("dtype"), e.get("shape"), e.get("chunks")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
@@ -336,10 +338,11 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
     if numel > _MAX_NUMEL:
         raise bad(f"entry {key!r}: shape {shape} is implausibly large")
     if version >= 2:
-        why = layouts.check(e, shape, ws)
+        layout = layouts.layout_key(e, shape, ws)
+        why = layouts.check(e, shape, ws, layout)
         if why is not None:
             raise bad(f"entry {key!r}: {why}")
-        return
+        return layout
     if not isinstance(chunks, list):
         raise bad(f"entry {key!r}: 'chunks' is not a list")
     covered = 0
@@ -367,6 +370,7 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
         covered += math.prod(size)
     if covered != numel:
         raise bad(f"entry {key!r}: chunks cover {covered} elements, the shape {shape} has {numel}")
+    return None
 
 
 def _check_keys(containers: dict[str, str], entries: dict[str, Any], bad: _Bad, under: str | None) -> None:
