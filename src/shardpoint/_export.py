@@ -32,7 +32,18 @@ def _header(storage: Storage, name: str) -> dict[str, HeaderEntry]:
 
 def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) -> None:
     """Copy the checkpoint at ``src`` to ``dst`` with every referenced chunk copied
-    in, checking every byte's CRC on the way; ``dst``'s manifest is written last."""
+    in, checking every byte's CRC on the way; ``dst``'s manifest is written last, so
+    a failed export leaves no checkpoint at ``dst``."""
+    try:
+        _export(src, dst, overwrite)
+    except OSError as e:  # the destination (a full disk, no permission): the source's damage is named otherwise
+        raise ShardpointError(
+            f"exporting {src.url} to {dst.url} failed: {e}. Nothing was committed at {dst.url} (its manifest is written "
+            "last); free space or fix the destination's permissions, then export again"
+        ) from None
+
+
+def _export(src: Storage, dst: Storage, overwrite: bool) -> None:
     m = read_manifest(src)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise ShardpointError(f"a checkpoint already exists at {dst.url}; pass overwrite=True to replace it")
