@@ -23,14 +23,13 @@ Pure: this checks names. Reading through a reference is the load's
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from ..errors import CorruptCheckpointError
 
 _REF = re.compile(r"^\.\./([A-Za-z0-9_.\-]+)/([A-Za-z0-9_.\-]+\.safetensors)$")
 
 
-def split_ref(name: Any, *, where: str = "manifest") -> tuple[str, str]:
+def split_ref(name: object, *, where: str = "manifest") -> tuple[str, str]:
     """``(folder, file)`` of a well-formed reference; raises
     :class:`CorruptCheckpointError` for anything that could leave the manager's root
     or name something other than a data file."""
