@@ -102,16 +102,22 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         except ValueError:
             raise CorruptCheckpointError(f"key {spec.key!r}: the checkpoint's chunks do not cover the tensor") from None
         located: dict[int, ChunkLoc] = {}
-        size = spec.itemsize
+        views: dict[int, torch.Tensor] = {}
+        size, dtype = spec.itemsize, spec.dtype
         for op in ops:
             loc = located.get(op.source)
             if loc is None:
                 loc = located[op.source] = locator.locate(spec, chunks[op.source], t.per_rank)
-            tbox, dst = t.boxes[op.target], t.views[op.target].detach()  # a parameter may require grad: write its data
+            dst = views.get(op.target)
+            if dst is None:  # a parameter may require grad: write its data
+                dst = views[op.target] = t.views[op.target].detach()
+            tbox = t.boxes[op.target]
             if op.region != tbox:
-                dst = dst[tuple(slice(r - o, r - o + n) for r, o, n in zip(op.region.offsets, tbox.offsets, op.region.sizes))]
+                for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes, tbox.sizes)):
+                    if n != m:
+                        dst = dst.narrow(d, r - o, n)
             jobs.append(ReadJob(spec.key, loc, chunks[op.source].box, op.region, op.first * size, op.last * size,
-                                op.runs == 1, spec.dtype, dst))
+                                op.runs == 1, dtype, dst))
     return jobs
 
 
