@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 bench: setup
@@ -29,3 +29,4 @@ bench: setup
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy

@@ -453,18 +453,18 @@ def test_overwrite_leaves_no_moment_without_a_loadable_checkpoint(tmp_path: Path
 def test_checkpoint_replaced_during_a_load_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A load that read the manifest just before an overwriting save committed finds
     its data files gone: the error says the checkpoint was replaced, not damaged."""
-    from shardpoint.load import place as _load
+    from shardpoint.load import read as _read
 
     p = tmp_path / "ckpt"
     shardpoint.save({"w": torch.ones(1000)}, p)
-    run = _load.Reader.run
+    run = _read.Reader.run
 
-    def overwrite_then_read(self: _load.Reader) -> None:
-        monkeypatch.setattr(_load.Reader, "run", run)
+    def overwrite_then_read(self: _read.Reader, jobs: list[_read.ReadJob]) -> None:
+        monkeypatch.setattr(_read.Reader, "run", run)
         shardpoint.save({"w": torch.full((1000,), 2.0)}, p, overwrite=True)  # commits, removes the old files
-        run(self)
+        run(self, jobs)
 
-    monkeypatch.setattr(_load.Reader, "run", overwrite_then_read)
+    monkeypatch.setattr(_read.Reader, "run", overwrite_then_read)
     with pytest.raises(ShardpointError, match="replaced or removed while this load read it.*nothing is damaged") as e:
         shardpoint.load({"w": torch.zeros(1000)}, p)
     assert not isinstance(e.value, CorruptCheckpointError)

@@ -1,83 +1,75 @@
 """A self-contained copy of one checkpoint: every chunk it stores by reference is
-copied into the new data files, so the copy loads with nothing beside it."""
+copied into the new data files, so the copy loads with nothing beside it. Reads
+through the load's stages (locate, verified reads) and writes through storage."""
 
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterator
-from typing import Any
 
 from .errors import CorruptCheckpointError, ShardpointError
-from .format.datafile import crc32
-from .format.index import digest, index_name
-from .format.manifest import MANIFEST_NAME, read_manifest
-from .format.refs import with_refs
+from .format.chunks import ChunkLoc
+from .format.datafile import HeaderEntry, header_bytes, header_length, parse_header
+from .format.index import Located, digest, index_name
+from .format.manifest import MANIFEST_NAME
+from .load.locate import read_index, read_manifest, with_refs
+from .load.read import read_verified
 from .storage import Storage
 
 #: Bytes copied per read.
 _PIECE = 1 << 24
 
 
-def _header(storage: Storage, name: str) -> dict[str, Any]:
+def _header(storage: Storage, name: str) -> dict[str, HeaderEntry]:
+    where = f"{storage.url}/{name}"
     try:
-        (n,) = struct.unpack("<Q", bytes(storage.read(name, 0, 8)))
-        return json.loads(bytes(storage.read(name, 8, n)))
-    except (OSError, ValueError, struct.error) as e:
-        raise CorruptCheckpointError(f"{storage.url}/{name}: its safetensors header cannot be read ({e})") from None
+        size = storage.size(name)
+        n = header_length(bytes(storage.read(name, 0, min(8, size))), size, where)
+        return parse_header(bytes(storage.read(name, 8, n)), size, where)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{where}: its safetensors header cannot be read ({e})") from None
 
 
 def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) -> None:
     """Copy the checkpoint at ``src`` to ``dst`` with every referenced chunk copied
-    in, checking every byte's CRC on the way; ``dst``'s manifest is written last."""
-    from .load.place import read_index
+    in, checking every byte's CRC on the way; ``dst``'s manifest is written last, so
+    a failed export leaves no checkpoint at ``dst``."""
+    try:
+        _export(src, dst, overwrite)
+    except OSError as e:  # the destination (a full disk, no permission): the source's damage is named otherwise
+        raise ShardpointError(
+            f"exporting {src.url} to {dst.url} failed: {e}. Nothing was committed at {dst.url} (its manifest is written "
+            "last); free space or fix the destination's permissions, then export again"
+        ) from None
 
+
+def _export(src: Storage, dst: Storage, overwrite: bool) -> None:
     m = read_manifest(src)
     if dst.exists(MANIFEST_NAME) and not overwrite:
         raise ShardpointError(f"a checkpoint already exists at {dst.url}; pass overwrite=True to replace it")
-    reader = with_refs(src, m)
-    headers: dict[str, dict[str, Any]] = {}
-    files: dict[str, Any] = {}
     if not m.refs:  # self-contained already (any version): a byte copy
         for name in m.stored_files():
             dst.write_file(name, _pieces(src, name))
         dst.write_atomic(MANIFEST_NAME, bytes(src.read(MANIFEST_NAME)))
         return
+    reader = with_refs(src, m)
+    headers: dict[str, dict[str, HeaderEntry]] = {}
+    files: dict[str, dict[str, object]] = {}
     for fname, info in sorted(m.files.items()):
         idx = read_index(src, m, fname)
         order = sorted(idx.items(), key=lambda kv: (kv[1].ref or "", kv[1].offset))
-        head: dict[str, Any] = {"__metadata__": {"format": "shardpoint"}}
-        pos = 0
+        declared: list[tuple[str, str, tuple[int, ...], int]] = []
         for name, loc in order:
             where = loc.ref or fname
             if where not in headers:
                 headers[where] = _header(reader, where)
             h = headers[where].get(name)
-            if not isinstance(h, dict):
+            if h is None:
                 raise CorruptCheckpointError(f"{src.url}: chunk {name!r} is not in the header of {where}")
-            head[name] = {"dtype": h["dtype"], "shape": h["shape"], "data_offsets": [pos, pos + loc.length]}
-            pos += loc.length
-        hb = json.dumps(head, separators=(",", ":")).encode()
-        hb += b" " * (-len(hb) % 8)
-        base = 8 + len(hb)
-        block = m.crc_block
-
-        def parts(order: list[Any] = order, hb: bytes = hb, fname: str = fname, block: int = block) -> Iterator[bytes | bytearray]:
-            yield struct.pack("<Q", len(hb)) + hb
-            for name, loc in order:
-                where = loc.ref or fname
-                for j, a in enumerate(range(0, max(loc.length, 1), block)):
-                    n = min(block, loc.length - a)
-                    data = reader.read(where, loc.offset + a, n) if n else b""
-                    if crc32(data) != loc.crc32[j]:
-                        raise CorruptCheckpointError(
-                            f"checksum mismatch in {where} for chunk {name!r}: the source is damaged; nothing was exported"
-                        )
-                    if n:
-                        yield data
-
-        dst.write_file(fname, parts())
-        off = base
+            declared.append((name, h.dtype, h.shape, loc.length))
+        head = header_bytes(declared)
+        dst.write_file(fname, _copied(reader, fname, order, m.crc_block, head))
+        off = len(head)
         chunks = {}
         for name, loc in order:
             chunks[name] = [off, loc.length, loc.crc32]
@@ -93,7 +85,20 @@ def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) ->
     dst.write_atomic(MANIFEST_NAME, m.to_bytes())
 
 
-def _pieces(storage: Storage, name: str) -> Iterator[bytes | bytearray]:
+def _copied(reader: Storage, fname: str, order: list[tuple[str, Located]], block: int, head: bytes,
+            ) -> Iterator[bytes | memoryview]:
+    """The new data file's bytes: its header, then each chunk's bytes, verified."""
+    yield head
+    for name, loc in order:
+        where = loc.ref or fname
+        try:
+            for piece in read_verified(reader, ChunkLoc(where, loc.offset, loc.length, loc.crc32), block):
+                yield memoryview(piece)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{e} (chunk {name!r}); the source is damaged: nothing was exported") from None
+
+
+def _pieces(storage: Storage, name: str) -> Iterator[bytes | memoryview]:
     size = storage.size(name)
     for a in range(0, size, _PIECE):
-        yield storage.read(name, a, min(_PIECE, size - a))
+        yield memoryview(storage.read(name, a, min(_PIECE, size - a)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -13,10 +12,9 @@ import torch
 
 from .collective import Comm
 from .errors import UsageError
-from .format.datafile import dtype_from_name, itemsize_of
-from .format.manifest import decode_value, read_manifest
+from .format.manifest import decode_value
+from .load.locate import read_manifest
 from .load.pipeline import LoadOptions, load_state, read_whole
-from .load.place import saved_chunks
 from .report import LoadReport
 from .saving.handle import SaveHandle
 from .saving.pipeline import SaveOptions, save_state
@@ -153,15 +151,14 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     save: everything but the tensor data, read from the manifest alone."""
     storage = storage_for(path, storage_options)
     m = read_manifest(storage)
-    tensors, values, per_rank = {}, {}, {}
+    tensors: dict[str, TensorInfo] = {}
+    values: dict[str, Any] = {}
+    per_rank: dict[str, list[int]] = {}
     for k, e in sorted(m.tree.entries.items()):
         if e["kind"] == "tensor":
-            shape = tuple(e["shape"])
-            chunks = tuple((tuple(off), tuple(size)) for off, size, _ in saved_chunks(m, e, shape))
-            tensors[k] = TensorInfo(
-                shape, dtype_from_name(e["dtype"], key=k), chunks,
-                sum(math.prod(size) for _, size in chunks) * itemsize_of(e["dtype"]),
-            )
+            spec = m.tree.tensors[k]
+            tensors[k] = TensorInfo(spec.shape, spec.dtype, tuple((c.box.offsets, c.box.sizes) for c in spec.chunks()),
+                                    spec.nbytes)
         elif e["kind"] == "value":
             values[k] = decode_value(e["value"], where=k)
         else:

@@ -18,8 +18,9 @@ from .api import DEFAULT_TIMEOUT, PathLike, load
 from .collective import Comm
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
 from .format.digest import is_sealed, seal, unseal
-from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.manifest import MANIFEST_NAME
 from .format.refs import split_ref
+from .load.locate import read_manifest
 from .report import LoadReport
 from .saving.handle import SaveHandle
 from .saving.incremental import Session, Tracker

@@ -116,6 +116,12 @@ class Process:
     #: Adapters registered by :func:`shardpoint.adapters.register` (dotted class name ->
     #: an Adapter subclass or ``"module:Class"``), and those imported for a name.
     adapters: dict[str, object] = field(default_factory=dict)
+    #: Manifest layouts already checked (format.layouts), by layout text: why one is
+    #: malformed, or None. Bounded by format.layouts.MEMO_MAX.
+    layout_checks: dict[str, str | None] = field(default_factory=dict)
+    #: Manifest layouts already expanded into their chunks (format.chunks.SavedChunk
+    #: tuples, immutable and shared), by layout text.
+    layout_chunks: dict[str, tuple[object, ...]] = field(default_factory=dict)
     #: Whether the exit hook of the save in flight is registered (at the first save or restore).
     exit_hook: bool = False
     #: Per thread: the CUDA copy stream of each device (made on first use).

@@ -10,29 +10,25 @@ sizes a damaged manifest claims. The ``shardpoint verify PATH`` command calls
 
 from __future__ import annotations
 
-import json
-import struct
+import os
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.datafile import crc32, itemsize_of
+from .format.chunks import ChunkLoc, TensorSpec
+from .format.datafile import header_length, parse_header
 from .format.digest import ALGORITHM
-from .format.manifest import MANIFEST_NAME, Manifest, read_manifest
-from .format.refs import with_refs
-from .load.place import IO_THREADS, Reader, _validate_saved, saved_chunks
-from .plan import Box
+from .format.manifest import MANIFEST_NAME, Manifest
+from .load.locate import Locator, read_manifest
+from .load.read import IO_THREADS, read_verified
+from .plan.read import tiling_problem
 from .storage import Storage, storage_for
 
 __all__ = ["Problem", "VerifyResult", "verify", "main"]
-
-#: Largest single read while checksumming (a block is read in pieces of this size).
-_PIECE = 8 << 20
-#: safetensors refuses headers above 100 MB; so do we.
-_MAX_HEADER = 100 << 20
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,7 +104,7 @@ class VerifyResult:
         return "\n".join(lines)
 
 
-def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) -> VerifyResult:
+def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str, Any] | None = None) -> VerifyResult:
     """Re-read every chunk of the checkpoint at ``path`` and check it.
 
     Checks: the manifest's seal (its SHA-256; ``result.seal``), that it parses and is self-consistent (chunks tile each tensor,
@@ -133,14 +129,15 @@ def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) ->
         res.problems.append(Problem(file=MANIFEST_NAME, key=None, reason=str(e)))
         return res
     res.seal = "verified" if manifest.sealed else "absent"
-    storage = with_refs(storage, manifest)  # referenced chunks are checked in their sibling checkpoint's file
-    resolved = _resolve(storage, manifest, res)
+    locator = Locator(storage, manifest)
+    storage = locator.storage  # referenced chunks are checked in their sibling checkpoint's file
+    resolved = _resolve(locator, manifest, res)
     sizes = _check_files(storage, manifest, res, resolved)
     jobs: list[Callable[[], tuple[int, Problem | None]]] = []
-    for key, rank, entry, chunks in resolved:
+    for t in resolved:
         res.tensors += 1
-        if chunks is not None:
-            jobs += _check_tensor(storage, manifest.crc_block, key, rank, entry, chunks, sizes, res)
+        if t.locs is not None:
+            jobs += _check_tensor(storage, manifest.crc_block, t, sizes, res)
     if jobs:
         with ThreadPoolExecutor(max_workers=max(1, min(IO_THREADS, len(jobs)))) as ex:
             for nbytes, problem in ex.map(lambda j: j(), jobs):
@@ -156,48 +153,57 @@ def verify(path: str | Any, *, storage_options: dict[str, Any] | None = None) ->
     return res
 
 
-Resolved = list[tuple[str, "int | None", dict[str, Any], "list[dict[str, Any]] | None"]]
+class _Tensor(NamedTuple):
+    """A tensor entry to check: its spec, the rank of a per-rank value (else None),
+    and its chunks' places (None when they cannot be found: an index is damaged)."""
+
+    spec: TensorSpec
+    rank: int | None
+    locs: list[ChunkLoc] | None
 
 
-def _resolve(storage: Storage, m: Manifest, res: VerifyResult) -> Resolved:
-    """Every tensor entry with its chunks (file, offset, length, CRCs): listed in a
-    version 1 manifest, from the data files' indexes in version 2. An index that is
-    missing or differs from its digest is a problem of every key it serves (their
-    chunks are then None)."""
-    reader = Reader(storage, m, verify=True)
-    out: Resolved = []
-    for key, rank, e in _tensor_entries(m):
+def _resolve(locator: Locator, m: Manifest, res: VerifyResult) -> list[_Tensor]:
+    """Every tensor entry with where its chunks lie (listed in the manifest, or in the
+    data files' indexes). An index that is missing or differs from its digest is a
+    problem of every key it serves (their places are then None)."""
+    out: list[_Tensor] = []
+    for rank, spec in _tensor_entries(m):
+        key = spec.key
+        locs: list[ChunkLoc] | None
         try:
-            chunks = [reader.locate(key, c, rank is not None) for c in saved_chunks(m, e, tuple(e["shape"]))]
+            locs = [locator.locate(spec, c, rank is not None, check_length=False) for c in spec.chunks()]
         except CorruptCheckpointError as err:
             index = next((f["index"]["name"] for f in m.files.values() if f.get("index", {}).get("name", "") in str(err)),
                          MANIFEST_NAME)
             res.problems.append(Problem(file=index, key=key, rank=rank, reason=str(err)))
-            chunks = None
-        out.append((key, rank, e, chunks))
+            locs = None
+        out.append(_Tensor(spec, rank, locs))
     return out
 
 
-def _tensor_entries(m: Manifest) -> Iterator[tuple[str, int | None, dict[str, Any]]]:
+def _tensor_entries(m: Manifest) -> Iterator[tuple[int | None, TensorSpec]]:
+    """Every tensor entry, top-level (rank None) and of each rank's per-rank values, in the manifest's order."""
     for key, e in m.tree.entries.items():
         if e["kind"] == "tensor":
-            yield key, None, e
+            yield None, m.tree.tensors[key]
         elif e["kind"] == "per_rank":
-            for r, sub in sorted(e["ranks"].items(), key=lambda rs: int(rs[0])):
-                for k, se in sub["entries"].items():
-                    if se["kind"] == "tensor":
-                        yield k, int(r), se
+            for r, sub in sorted(m.tree.per_rank[key].items()):
+                for spec in sub.tensors.values():
+                    yield r, spec
 
 
-def _check_files(storage: Storage, m: Manifest, res: VerifyResult, resolved: Resolved) -> dict[str, int | None]:
+def _check_files(storage: Storage, m: Manifest, res: VerifyResult, resolved: list[_Tensor]) -> dict[str, int | None]:
     """Size and safetensors header of every listed file; returns the real size of
     each (None when it cannot be read at all)."""
     sizes: dict[str, int | None] = {}
-    spans = _chunk_spans(resolved)
+    spans: dict[str, list[tuple[int, int, str, int | None]]] = {}
+    for t in resolved:
+        for loc in t.locs or []:
+            spans.setdefault(loc.file, []).append((loc.offset, loc.offset + loc.length, t.spec.key, t.rank))
     for name, info in sorted([*m.files.items(), *m.refs.items()]):
         want = info["size"]
         try:
-            size: int | None = storage.size(name)
+            size = storage.size(name)
         except FileNotFoundError:
             res.problems.append(Problem(file=name, key=None, reason="the file is missing"))
             sizes[name] = None
@@ -208,48 +214,25 @@ def _check_files(storage: Storage, m: Manifest, res: VerifyResult, resolved: Res
             continue
         sizes[name] = size
         if size != want:
-            what = "truncated" if size is not None and size < want else "longer than written"
+            what = "truncated" if size < want else "longer than written"
             res.problems.append(Problem(file=name, key=None, reason=f"{what}: it has {size} bytes, the manifest says {want}"))
-        reason = _check_header(storage, name, size or 0, spans.get(name, []))
+        reason = _check_header(storage, name, size, spans.get(name, []))
         if reason:
             res.problems.append(Problem(file=name, key=None, reason=reason))
     return sizes
 
 
-def _chunk_spans(resolved: Resolved) -> dict[str, list[tuple[int, int, str, int | None]]]:
-    out: dict[str, list[tuple[int, int, str, int | None]]] = {}
-    for key, rank, _e, chunks in resolved:
-        for c in chunks or []:
-            out.setdefault(c["file"], []).append((c["offset"], c["offset"] + c["length"], key, rank))
-    return out
-
-
 def _check_header(storage: Storage, name: str, size: int, spans: list[tuple[int, int, str, int | None]]) -> str | None:
     """Whether ``name`` starts with a sound safetensors header that declares each
     of the manifest's chunks in the file; a reason when not."""
-    if size < 8:
-        return "too short to hold a safetensors header"
     try:
-        (n,) = struct.unpack("<Q", bytes(storage.read(name, 0, 8)))
-        if n > _MAX_HEADER or 8 + n > size:
-            return f"its safetensors header claims {n} bytes, more than the file ({size} bytes) can hold"
-        header = json.loads(bytes(storage.read(name, 8, n)))
-    except (OSError, CorruptCheckpointError) as e:
+        n = header_length(bytes(storage.read(name, 0, 8)) if size >= 8 else b"", size, name)
+        header = parse_header(bytes(storage.read(name, 8, n)), size, name)
+    except CorruptCheckpointError as e:
+        return str(e).removeprefix(f"{name}: ")
+    except OSError as e:
         return f"cannot read its safetensors header: {e}"
-    except (ValueError, RecursionError):
-        return "its safetensors header is not valid JSON"
-    if not isinstance(header, dict):
-        return "its safetensors header is not a JSON object"
-    base = 8 + n
-    declared: set[tuple[int, int]] = set()
-    for tname, v in header.items():
-        if tname == "__metadata__":
-            continue
-        off = v.get("data_offsets") if isinstance(v, dict) else None
-        if not (isinstance(off, list) and len(off) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in off)
-                and 0 <= off[0] <= off[1] and base + off[1] <= max(size, base)):
-            return f"its safetensors header entry {str(tname)[:80]!r} has invalid data_offsets"
-        declared.add((base + off[0], base + off[1]))
+    declared = {(h.begin, h.end) for h in header.values()}
     for lo, hi, key, rank in spans:
         if (lo, hi) not in declared:
             who = f" (rank {rank})" if rank is not None else ""
@@ -257,26 +240,24 @@ def _check_header(storage: Storage, name: str, size: int, spans: list[tuple[int,
     return None
 
 
-def _check_tensor(storage: Storage, block: int, key: str, rank: int | None, e: dict[str, Any], chunks: list[dict[str, Any]],
-                  sizes: dict[str, int | None], res: VerifyResult) -> list[Callable[[], tuple[int, Problem | None]]]:
+def _check_tensor(storage: Storage, block: int, t: _Tensor, sizes: dict[str, int | None],
+                  res: VerifyResult) -> list[Callable[[], tuple[int, Problem | None]]]:
     """Structural checks now; one checksum job per readable chunk."""
+    spec, rank = t.spec, t.rank
 
     def problem(reason: str, file: str | None = None) -> None:
-        res.problems.append(Problem(file=file, key=key, rank=rank, reason=reason))
+        res.problems.append(Problem(file=file, key=spec.key, rank=rank, reason=reason))
 
-    itemsize = itemsize_of(e["dtype"])
-
-    boxes = [Box(tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks]
-    if len(boxes) > 1:
-        try:
-            _validate_saved(key, boxes, tuple(e["shape"]))
-        except CorruptCheckpointError as err:
-            problem(f"the manifest's chunks do not tile the tensor: {err}", MANIFEST_NAME)
-    jobs = []
-    for c, b in zip(chunks, boxes, strict=True):
-        f, lo, n = c["file"], c["offset"], c["length"]
-        if n != b.numel * itemsize:
-            problem(f"a chunk is {n} bytes but its box holds {b.numel} x {itemsize} bytes", f)
+    if spec.listed:
+        why = tiling_problem([c.box for c in spec.chunks()], spec.shape)
+        if why is not None:
+            problem(f"the manifest's chunks do not tile the tensor: key {spec.key!r}: {why} in the manifest; the "
+                    "checkpoint is damaged", MANIFEST_NAME)
+    jobs: list[Callable[[], tuple[int, Problem | None]]] = []
+    for loc, c in zip(t.locs or [], spec.chunks(), strict=True):
+        f, lo, n = loc.file, loc.offset, loc.length
+        if n != c.box.numel * spec.itemsize:
+            problem(f"a chunk is {n} bytes but its box holds {c.box.numel} x {spec.itemsize} bytes", f)
             continue
         size = sizes.get(f)
         if size is None:
@@ -285,38 +266,23 @@ def _check_tensor(storage: Storage, block: int, key: str, rank: int | None, e: d
         if lo + n > size:
             problem(f"bytes {lo}..{lo + n} lie beyond the end of the file ({size} bytes): truncated", f)
             continue
-        jobs.append(_crc_job(storage, block, key, rank, c))
+        jobs.append(partial(_crc_job, storage, block, spec.key, rank, loc))
     return jobs
 
 
-def _crc_job(storage: Storage, block: int, key: str, rank: int | None, c: dict[str, Any]) -> Callable[[], tuple[int, Problem | None]]:
-    def run() -> tuple[int, Problem | None]:
-        f, base, n = c["file"], c["offset"], c["length"]
-        bad: list[int] = []
-        try:
-            if n == 0:
-                bad = [] if c["crc32"][0] == 0 else [0]
-            for j, start in enumerate(range(0, n, block)):
-                end = min(start + block, n)
-                crc = 0
-                for p in range(start, end, _PIECE):
-                    q = min(p + _PIECE, end)
-                    data = storage.read(f, base + p, q - p)
-                    if len(data) != q - p:
-                        raise CorruptCheckpointError(f"short read at byte {base + p}: the file is truncated")
-                    crc = crc32(data, crc)
-                if crc != c["crc32"][j]:
-                    bad.append(j)
-        except (OSError, CorruptCheckpointError) as err:
-            return 0, Problem(file=f, key=key, rank=rank, reason=f"cannot be read: {err}")
-        if not bad:
-            return n, None
-        j = bad[0]
-        lo, hi = base + j * block, base + min((j + 1) * block, n)
-        more = f" and {len(bad) - 1} more block(s)" if len(bad) > 1 else ""
-        return 0, Problem(file=f, key=key, rank=rank, reason=f"checksum mismatch in bytes {lo}..{hi}{more}: the data is damaged")
-
-    return run
+def _crc_job(storage: Storage, block: int, key: str, rank: int | None, loc: ChunkLoc) -> tuple[int, Problem | None]:
+    bad: list[int] = []
+    try:
+        for _ in read_verified(storage, loc, block, on_bad=bad.append):
+            pass
+    except (OSError, CorruptCheckpointError) as err:
+        return 0, Problem(file=loc.file, key=key, rank=rank, reason=f"cannot be read: {err}")
+    if not bad:
+        return loc.length, None
+    j = bad[0]
+    lo, hi = loc.offset + j * block, loc.offset + min((j + 1) * block, loc.length)
+    more = f" and {len(bad) - 1} more block(s)" if len(bad) > 1 else ""
+    return 0, Problem(file=loc.file, key=key, rank=rank, reason=f"checksum mismatch in bytes {lo}..{hi}{more}: the data is damaged")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,7 @@ def as_v1(path: Path) -> dict[str, Any]:
     with its file, byte offset, length and CRCs, read from the version 2 indexes):
     the cases that damage chunk fields apply to it, and it exercises the version 1
     reader, which every later version keeps."""
-    from shardpoint.format.manifest import read_manifest
-    from shardpoint.load.place import Reader, saved_chunks
+    from shardpoint.load.locate import Locator, read_manifest
     from shardpoint.storage import storage_for
 
     doc = manifest(path)
@@ -45,20 +44,22 @@ def as_v1(path: Path) -> dict[str, Any]:
         return doc
     st = storage_for(str(path))
     m = read_manifest(st)
-    reader = Reader(st, m)
+    locator = Locator(st, m)
 
-    def fix(entries: dict[str, Any], per_rank: bool) -> None:
+    def fix(entries: dict[str, Any], tree: Any, per_rank: bool) -> None:
         for key, e in entries.items():
             if e["kind"] == "tensor":
-                located = [reader.locate(key, c, per_rank) for c in saved_chunks(m, e, tuple(e["shape"]))]
+                spec = tree.tensors[key]
+                located = [(c.box, locator.locate(spec, c, per_rank)) for c in spec.chunks()]
                 for form in ("grid", "flat", "chunks"):
                     e.pop(form, None)
-                e["chunks"] = [dict(c, offsets=list(c["offsets"]), sizes=list(c["sizes"])) for c in located]
+                e["chunks"] = [{"offsets": list(b.offsets), "sizes": list(b.sizes), "file": loc.file, "offset": loc.offset,
+                                "length": loc.length, "crc32": loc.crc32} for b, loc in located]
             elif e["kind"] == "per_rank":
-                for sub in e["ranks"].values():
-                    fix(sub["entries"], True)
+                for r, sub in e["ranks"].items():
+                    fix(sub["entries"], tree.per_rank[key][int(r)], True)
 
-    fix(doc["entries"], False)
+    fix(doc["entries"], m.tree, False)
     doc.pop("seal", None)  # version 1 has no seal
     doc["version"] = 1
     for f in doc["files"].values():

@@ -8,15 +8,16 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..errors import CorruptCheckpointError
 
 try:  # the same CRC-32 as zlib's, about 5x faster (carry-less multiply): checksums stop costing a save its throughput
-    from zlib_ng.zlib_ng import crc32
+    from zlib_ng.zlib_ng import crc32  # noqa: F401 - the format's checksum, used by the writer and the readers
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; fall back where its wheel is missing
-    from zlib import crc32
+    from zlib import crc32  # noqa: F401
 
 #: Bytes covered by one CRC-32 in the manifest; partial reads are rounded out to it.
 CRC_BLOCK = int(os.environ.get("SHARDPOINT_CRC_BLOCK", 1 << 20))
@@ -51,15 +52,22 @@ def dtype_from_name(name: str, key: str | None = None) -> torch.dtype:
     return dtype
 
 
+#: Bytes per element of each dtype (docs/format.md, section 5).
+ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "complex64": 8, "complex128": 16, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+
 def itemsize_of(name: str) -> int:
-    """Bytes per element of the dtype a manifest names; raises ``ValueError`` if unknown."""
-    size = _ITEMSIZE.get(name)
+    """Bytes per element of the dtype a manifest names; raises
+    :class:`~shardpoint.CorruptCheckpointError` if unknown."""
+    size = ITEMSIZES.get(name)
     if size is None:
-        size = _ITEMSIZE[name] = torch.empty(0, dtype=dtype_from_name(name)).element_size()
+        dtype_from_name(name)  # raises, naming the dtype
+        raise AssertionError(name)  # pragma: no cover - every known dtype has a size
     return size
-
-
-_ITEMSIZE: dict[str, int] = {}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -69,7 +77,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 @dataclass(slots=True)
@@ -81,11 +89,74 @@ class WrittenChunk:
     crc32: list[int]
 
 
-def block_crcs(view: memoryview, block: int = CRC_BLOCK) -> list[int]:
-    """CRC-32 of each ``block``-byte piece of ``view`` (at least one entry)."""
-    if len(view) == 0:
-        return [0]
-    return [crc32(view[i : i + block]) for i in range(0, len(view), block)]
+#: safetensors refuses headers above 100 MB; so does every reader here.
+MAX_HEADER = 100 << 20
+
+
+class HeaderEntry(NamedTuple):
+    """One tensor a data file's safetensors header declares."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    """Absolute byte offset of its first byte in the file."""
+    end: int
+    """Absolute byte offset one past its last byte."""
+
+
+def header_length(prefix: bytes, file_size: int, where: str) -> int:
+    """``N``, the JSON header's length, from a data file's first 8 bytes (of a file of
+    ``file_size`` bytes); raises :class:`CorruptCheckpointError` naming ``where`` when
+    no such header fits in the file."""
+    if file_size < 8 or len(prefix) < 8:
+        raise CorruptCheckpointError(f"{where}: too short to hold a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if n > MAX_HEADER or 8 + n > file_size:
+        raise CorruptCheckpointError(
+            f"{where}: its safetensors header claims {n} bytes, more than the file ({file_size} bytes) can hold"
+        )
+    return int(n)
+
+
+def parse_header(data: bytes, file_size: int, where: str) -> dict[str, HeaderEntry]:
+    """The tensors a safetensors header declares (``data``: the ``N`` header bytes
+    after the 8-byte length), by name, with absolute byte ranges; raises
+    :class:`CorruptCheckpointError` naming ``where`` when the header is not sound.
+    ``__metadata__`` is left out."""
+    base = 8 + len(data)
+    try:
+        header = json.loads(bytes(data))
+    except (ValueError, RecursionError):
+        raise CorruptCheckpointError(f"{where}: its safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: its safetensors header is not a JSON object")
+    out: dict[str, HeaderEntry] = {}
+    for tname, v in header.items():
+        if tname == "__metadata__":
+            continue
+        off = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(off, list) and len(off) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in off)
+                and 0 <= off[0] <= off[1] and base + off[1] <= max(file_size, base)):
+            raise CorruptCheckpointError(f"{where}: its safetensors header entry {str(tname)[:80]!r} has invalid data_offsets")
+        assert isinstance(v, dict)
+        shape = v.get("shape")
+        out[tname] = HeaderEntry(str(v.get("dtype")), tuple(shape) if isinstance(shape, list) else (), base + off[0],
+                                 base + off[1])
+    return out
+
+
+def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]]) -> bytes:
+    """The first bytes of a data file holding ``tensors`` (name, safetensors dtype
+    code, shape, byte length) back to back in that order: the 8-byte length and the
+    JSON header, padded with spaces to a multiple of 8."""
+    header: dict[str, object] = {"__metadata__": {"format": "shardpoint"}}
+    pos = 0
+    for tname, code, shape, n in tensors:
+        header[tname] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb
 
 
 def data_header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) -> bytes:

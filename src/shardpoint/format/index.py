@@ -13,12 +13,14 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CorruptCheckpointError
 from .datafile import WrittenChunk
 
 INDEX_FORMAT = "shardpoint-index"
+_LIMIT = 1 << 62
+_CRC_LIMIT = 1 << 32
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -86,21 +88,29 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
     if not isinstance(chunks, dict):
         raise bad("'chunks' is not an object")
     out: dict[str, Located] = {}
-    for name, e in chunks.items():
-        if not (isinstance(e, list) and len(e) in (3, 4) and _is_count(e[0]) and _is_count(e[1]) and isinstance(e[2], list)):
+    known = refs or {}
+    for name, rec in chunks.items():  # one pass of plain comparisons: an index lists every chunk of its file
+        if type(rec) is not list or not 3 <= len(rec) <= 4:
             raise bad(f"chunk {name!r} is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]")
-        off, length, crcs = e[:3]
-        ref = e[3] if len(e) == 4 else None
+        off, length, crcs = rec[0], rec[1], rec[2]
+        if type(off) is not int or type(length) is not int or not (0 <= off < _LIMIT and 0 <= length < _LIMIT) \
+                or type(crcs) is not list:
+            raise bad(f"chunk {name!r} is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]")
+        ref = rec[3] if len(rec) == 4 else None
         if ref is not None:
-            if not isinstance(ref, str) or ref not in (refs or {}):
+            if not isinstance(ref, str) or ref not in known:
                 raise bad(f"chunk {name!r} refers to {str(ref)[:120]!r}, which the manifest's 'refs' does not list")
-            if off + length > refs[ref]["size"]:  # type: ignore[index]
+            if off + length > known[ref]["size"]:
                 raise bad(f"chunk {name!r} lies beyond the end of the referenced {ref} "
-                          f"({off + length} > {refs[ref]['size']} bytes)")  # type: ignore[index]
+                          f"({off + length} > {known[ref]['size']} bytes)")
         elif off + length > file_size:
             raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
-        if len(crcs) != max(1, -(-length // block)) or not all(_is_count(c) and c < 1 << 32 for c in crcs):
-            raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
+        want = max(1, -(-length // block))
+        if len(crcs) != want:
+            raise bad(f"chunk {name!r} must list {want} block checksums")
+        for c in crcs:
+            if type(c) is not int or not 0 <= c < _CRC_LIMIT:
+                raise bad(f"chunk {name!r} must list {want} block checksums")
         out[name] = Located(off, length, crcs, ref)
     return out
 
@@ -111,5 +121,5 @@ def check_record(rec: Any) -> bool:
             and isinstance(rec.get("sha256"), str) and bool(_SHA256.match(rec["sha256"])))
 
 
-def _is_count(x: Any) -> bool:
+def _is_count(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62

@@ -10,7 +10,7 @@ A tensor entry of a version 2 manifest carries one of:
   (cell ``i`` in rank ``a + i * b``).
 * ``"flat"``: ranges ``[start, stop, rank]`` of the tensor's row-major flattening
   (ZeRO-style flat partitions); each range is the boxes
-  :func:`~shardpoint.plan.boxes.flat_range_boxes` makes of it.
+  :func:`~shardpoint.format.boxes.flat_range_boxes` makes of it.
 * ``"chunks"``: any other layout, one ``{"offsets", "sizes", "rank"}`` per chunk.
 
 Its size depends on the layout, not on the world size: a tensor sharded over 8,192
@@ -20,12 +20,15 @@ ranks is a few dozen bytes. Where each chunk's bytes lie is in the data file's i
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..plan.boxes import flat_range_boxes, grid_cells
+from ..runtime import PROCESS
+from .boxes import flat_range_boxes, grid_cells
 
 #: Most chunks one tensor entry may describe (a damaged manifest cannot ask for more).
 MAX_CELLS = 1 << 22
@@ -47,9 +50,36 @@ def _cuts_of(spec: Any, n: int) -> list[int] | None:
     return None
 
 
-def check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | None:
+#: Most layouts remembered as checked (a model's tensors share a handful of layouts: the
+#: 20,000 tensor entries of a manifest are checked in a few hundred distinct calls).
+MEMO_MAX = 1 << 14
+
+
+def layout_key(entry: dict[str, Any], shape: Sequence[int], world_size: int) -> str | None:
+    """A text that equal grid or flat layouts (of equal shapes, in jobs of ``world_size``)
+    share, to remember work on one; None for a chunk list (rarely shared)."""
+    if "chunks" in entry:
+        return None
+    return f"{'grid' in entry}{'flat' in entry}{list(shape)!r}{entry.get('grid')!r}{entry.get('flat')!r}{world_size}"
+
+
+def check(entry: dict[str, Any], shape: list[int], world_size: int, key: str | None = None) -> str | None:
     """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
-    pieces tile ``shape`` exactly and every rank is one of the saving job's."""
+    pieces tile ``shape`` exactly and every rank is one of the saving job's. ``key``:
+    the entry's :func:`layout_key`, where the caller has it."""
+    key = key or layout_key(entry, shape, world_size)
+    checked = PROCESS.layout_checks
+    if key is not None and key in checked:
+        return checked[key]
+    why = _check(entry, shape, world_size)
+    if key is not None:
+        if len(checked) >= MEMO_MAX:
+            checked.clear()
+        checked[key] = why
+    return why
+
+
+def _check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | None:
     numel = math.prod(shape)
     forms = [f for f in ("grid", "flat", "chunks") if f in entry]
     if len(forms) != 1:
@@ -75,8 +105,8 @@ def check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | Non
         ranks = g.get("ranks")
         if isinstance(ranks, dict):
             a, b = ranks.get("first"), ranks.get("step")
-            if set(ranks) != {"first", "step"} or not is_rank(a) or not isinstance(b, int) or isinstance(b, bool) \
-                    or not is_rank(a + b * (cells - 1)):
+            if set(ranks) != {"first", "step"} or not isinstance(a, int) or not is_rank(a) or not isinstance(b, int) \
+                    or isinstance(b, bool) or not is_rank(a + b * (cells - 1)):
                 return "grid 'ranks' must be {'first': rank, 'step': int} naming ranks of the saving job"
         elif not (isinstance(ranks, list) and len(ranks) == cells and all(is_rank(r) for r in ranks)):
             return f"grid 'ranks' must list {cells} ranks of the saving job"
@@ -126,17 +156,20 @@ def expand(entry: dict[str, Any], shape: tuple[int, ...]) -> list[Chunk]:
             out += [(b.offsets, b.sizes, rank) for b in flat_range_boxes(shape, start, stop)]
         return out
     g = entry["grid"]
-    cuts = [_cuts_of(spec, n) for spec, n in zip(g["cuts"], shape)]
-    pieces = [list(zip(c[:-1], c[1:])) for c in cuts]  # type: ignore[arg-type]
+    pieces = []
+    for spec, n in zip(g["cuts"], shape):
+        cuts = _cuts_of(spec, n)
+        assert cuts is not None  # check() accepted the entry
+        pieces.append([(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])])
     ranks = g["ranks"]
-    cells = math.prod(len(p) for p in pieces)
-    rank_of = (lambda i: ranks["first"] + i * ranks["step"]) if isinstance(ranks, dict) else ranks.__getitem__
-    out = []
-    for i, idx in enumerate(np.ndindex(*[len(p) for p in pieces]) if shape else [()]):
-        sel = [pieces[d][j] for d, j in enumerate(idx)]
-        out.append((tuple(a for a, _ in sel), tuple(b - a for a, b in sel), int(rank_of(i))))
-    assert len(out) == cells
-    return out
+    if isinstance(ranks, dict):
+        first, step = ranks["first"], ranks["step"]
+        rank_list: list[int] | range = range(first, first + step * math.prod(len(p) for p in pieces), step) \
+            if step else [first] * math.prod(len(p) for p in pieces)
+    else:
+        rank_list = ranks
+    return [(tuple(o for o, _ in cell), tuple(n for _, n in cell), int(r))
+            for cell, r in zip(itertools.product(*pieces), rank_list, strict=True)]
 
 
 def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any]:
@@ -147,7 +180,7 @@ def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks
     if m == 0:
         return {"chunks": []}
     offsets, sizes = offsets[:, :nd], sizes[:, :nd]
-    grid = _grid(shape, offsets, sizes, ranks)
+    grid = _grid(offsets, sizes, ranks)
     if grid is not None:
         return {"grid": grid}
     if nd > 1:
@@ -158,7 +191,7 @@ def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks
     return {"chunks": [{"offsets": offsets[i].tolist(), "sizes": sizes[i].tolist(), "rank": int(ranks[i])} for i in order]}
 
 
-def _grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any] | None:
+def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any] | None:
     m, nd = offsets.shape
     grid = grid_cells(offsets, sizes)
     if grid is None:

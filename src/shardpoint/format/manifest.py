@@ -7,6 +7,11 @@ never loaded. Then it checks every field it will use, so a hostile manifest
 that was sealed on purpose raises :class:`CorruptCheckpointError` instead of
 reaching a file outside the checkpoint, a huge allocation or an unexpected
 exception. Version-1 manifests carry no seal and are still read.
+
+Pure: :meth:`Manifest.parse` takes the bytes a caller read
+(:func:`shardpoint.load.locate.read_manifest` reads them) and makes of either
+version's entries one typed model (:class:`Tree`: tensor specs, decoded values,
+per-rank sub-trees).
 """
 
 from __future__ import annotations
@@ -15,16 +20,18 @@ import base64
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeGuard
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..storage.base import Storage, check_name
+from ..errors import CorruptCheckpointError
 from . import layouts
-from .datafile import DTYPES
+from .chunks import SavedChunk, TensorSpec
+from .datafile import DTYPES, ITEMSIZES
 from .digest import is_sealed, seal, unseal
 from .index import check_record
+from .names import check_name
 from .refs import split_ref
 
 FORMAT_NAME = "shardpoint"
@@ -102,6 +109,14 @@ class Tree:
 
     containers: dict[str, str] = field(default_factory=dict)
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each leaf's entry as JSON (what a writer builds and the owners' load hooks read)."""
+    # what parsing makes of ``entries``, the same for every format version:
+    tensors: dict[str, TensorSpec] = field(default_factory=dict)
+    """The tensor entries, typed."""
+    values: dict[str, Any] = field(default_factory=dict)
+    """The plain values, decoded."""
+    per_rank: dict[str, dict[int, Tree]] = field(default_factory=dict)
+    """Each per-rank value's sub-tree of each saving rank that held it."""
 
     def to_json(self) -> dict[str, Any]:
         return {"containers": self.containers, "entries": self.entries}
@@ -116,7 +131,7 @@ class Manifest:
     created: float
     save_id: str
     tree: Tree
-    files: dict[str, dict[str, int]]
+    files: dict[str, dict[str, Any]]
     crc_block: int
     library_version: str = ""
     version: int = FORMAT_VERSION
@@ -138,6 +153,19 @@ class Manifest:
         if m is None:
             m = self._by_rank = {int(f["rank"]): name for name, f in self.files.items() if "rank" in f}
         return m.get(rank)
+
+    def file_end(self, chunk: SavedChunk, key: str) -> tuple[str, int]:
+        """``(file, end)``: the data file holding ``chunk`` and the byte it must reach
+        (the chunk's end when the manifest places it, else the file's recorded size)."""
+        if chunk.loc is not None:
+            return chunk.loc.file, chunk.loc.offset + chunk.loc.length
+        f = self.file_of_rank(chunk.rank)
+        if f is None:
+            raise CorruptCheckpointError(
+                f"key {key!r}: the manifest places a chunk in the file of rank {chunk.rank}, which it does not list; "
+                f"the manifest is damaged. {DAMAGED_FIX}"
+            )
+        return f, int(self.files[f]["size"])
 
     def stored_files(self) -> list[str]:
         """Every file the checkpoint consists of besides the manifest: data files and
@@ -261,6 +289,7 @@ class Manifest:
         )
 
 
+_Bad = Callable[[str], CorruptCheckpointError]
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -269,7 +298,7 @@ def _number_out(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
 
 
-def _parse_health(h: Any, bad: Any) -> tuple[list[str] | None, dict[str, float]]:
+def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, dict[str, float]]:
     if h is None:
         return None, {}
     if not isinstance(h, dict):
@@ -290,11 +319,12 @@ def _parse_health(h: Any, bad: Any) -> tuple[list[str] | None, dict[str, float]]
     return keys, out
 
 
-def _is_count(x: Any) -> bool:
+
+def _is_count(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
 
 
-def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int, under: str | None = None,
+def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int, depth: int, under: str | None = None,
                 version: int = FORMAT_VERSION) -> Tree:
     if not isinstance(doc, dict):
         raise bad("a tree is not an object")
@@ -305,28 +335,35 @@ def _parse_tree(doc: Any, files: dict, block: int, bad: Any, ws: int, depth: int
         if v not in CONTAINER_TYPES:
             raise bad(f"container {k!r} has unknown type {v!r}")
     _check_keys(containers, entries, bad, under)
+    tree = Tree(containers=containers, entries=entries)
     for key, e in entries.items():
         if not isinstance(e, dict):
             raise bad(f"entry {key!r} is not an object")
         kind = e.get("kind")
         if kind == "value":
-            decode_value(e.get("value"), where=f"entry {key!r}")
+            tree.values[key] = decode_value(e.get("value"), where=f"entry {key!r}")
         elif kind == "tensor":
-            _check_tensor(key, e, files, block, bad, ws, version)
+            layout = _check_tensor(key, e, files, block, bad, ws, version)
+            name = e["dtype"]
+            tree.tensors[key] = TensorSpec(key=key, dtype_name=name, itemsize=ITEMSIZES[name], shape=tuple(e["shape"]),
+                                           numpy=bool(e.get("numpy")), version=version, entry=e, layout=layout)
         elif kind == "per_rank" and depth == 0:
             ranks = e.get("ranks")
             if not isinstance(ranks, dict):
                 raise bad(f"entry {key!r}: 'ranks' is not an object")
+            subs = tree.per_rank[key] = {}
             for r, sub in ranks.items():
                 if not (r.isascii() and r.isdigit() and len(r) <= 9) or int(r) >= ws:
                     raise bad(f"entry {key!r}: rank {r!r} is not a rank of the saving job")
-                _parse_tree(sub, files, block, bad, ws, depth + 1, under=key, version=version)
+                subs[int(r)] = _parse_tree(sub, files, block, bad, ws, depth + 1, under=key, version=version)
         else:
             raise bad(f"entry {key!r} has unknown kind {kind!r}")
-    return Tree(containers=containers, entries=entries)
+    return tree
 
 
-def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any, ws: int, version: int) -> None:
+def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int,
+                  version: int) -> str | None:
+    """Check a tensor entry; returns its layout's key (version 2)."""
     dtype, shape, chunks = e.get("dtype"), e.get("shape"), e.get("chunks")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
@@ -338,10 +375,11 @@ def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any, ws: int,
     if numel > _MAX_NUMEL:
         raise bad(f"entry {key!r}: shape {shape} is implausibly large")
     if version >= 2:
-        why = layouts.check(e, shape, ws)
+        layout = layouts.layout_key(e, shape, ws)
+        why = layouts.check(e, shape, ws, layout)
         if why is not None:
             raise bad(f"entry {key!r}: {why}")
-        return
+        return layout
     if not isinstance(chunks, list):
         raise bad(f"entry {key!r}: 'chunks' is not a list")
     covered = 0
@@ -369,9 +407,10 @@ def _check_tensor(key: str, e: dict, files: dict, block: int, bad: Any, ws: int,
         covered += math.prod(size)
     if covered != numel:
         raise bad(f"entry {key!r}: chunks cover {covered} elements, the shape {shape} has {numel}")
+    return None
 
 
-def _check_keys(containers: dict, entries: dict, bad: Any, under: str | None) -> None:
+def _check_keys(containers: dict[str, str], entries: dict[str, Any], bad: _Bad, under: str | None) -> None:
     """The keys form a tree a save could have written: no leaf has children or is
     also a container, list and tuple children are indexed by integers, integer
     segments are of sane length, and a per-rank value's keys lie under its own key
@@ -393,32 +432,3 @@ def _check_keys(containers: dict, entries: dict, bad: Any, under: str | None) ->
             if containers.get(parent) in ("list", "tuple") and (i < len(segs)) and not (
                     segs[i].isascii() and segs[i].isdigit()):
                 raise bad(f"key {k!r}: a {containers[parent]} is indexed by {segs[i]!r}, not by an integer")
-
-
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest at ``storage``, read and parsed: the one place that
-    does, so every caller sees the same errors. Raises
-    :class:`CheckpointNotFoundError` when there is none and
-    :class:`CorruptCheckpointError` when it cannot be trusted."""
-    where = f"{storage.url}/{MANIFEST_NAME}"
-    try:
-        if not storage.exists(MANIFEST_NAME):
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {storage.url}: it has no {MANIFEST_NAME}, so no save ever committed there "
-                "(a save that failed or was killed leaves no manifest); check the path"
-            )
-        data = bytes(storage.read(MANIFEST_NAME))
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {MANIFEST_NAME} disappeared while reading it") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{where} cannot be read ({e}); check the path and its permissions") from None
-    return Manifest.parse(data, where=where)
-
-
-def committed(storage: Storage, save_id: str) -> bool:
-    """Whether the manifest at ``storage`` is the one of save ``save_id`` (not
-    replaced or removed since)."""
-    try:
-        return read_manifest(storage).save_id == save_id
-    except (CheckpointNotFoundError, CorruptCheckpointError, ValueError):  # no (readable) manifest: not committed
-        return False

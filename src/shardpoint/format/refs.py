@@ -15,20 +15,21 @@ exactly ``../<folder>/<file>.safetensors`` (plain names, no ``.``/``..`` segment
 so it can only reach a sibling folder of the checkpoint: never outside the
 manager's root, never the checkpoint's own folder. The bytes are checked against
 the CRCs the referring index carries, like any chunk.
+
+Pure: this checks names. Reading through a reference is the load's
+(:class:`shardpoint.load.locate.RefView`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..storage.base import Delegating, Storage
 
 _REF = re.compile(r"^\.\./([A-Za-z0-9_.\-]+)/([A-Za-z0-9_.\-]+\.safetensors)$")
 
 
-def split_ref(name: Any, *, where: str = "manifest") -> tuple[str, str]:
+def split_ref(name: object, *, where: str = "manifest") -> tuple[str, str]:
     """``(folder, file)`` of a well-formed reference; raises
     :class:`CorruptCheckpointError` for anything that could leave the manager's root
     or name something other than a data file."""
@@ -45,64 +46,3 @@ def split_ref(name: Any, *, where: str = "manifest") -> tuple[str, str]:
 def is_ref(name: str) -> bool:
     """Whether a chunk's file name is a reference (starts with ``../``)."""
     return name.startswith("../")
-
-
-class RefView(Delegating):
-    """The checkpoint's storage, where a reference name (``../<folder>/<file>``)
-    reads from the sibling folder instead; every other name goes to ``inner``.
-    Read-only for references; writes go to ``inner``."""
-
-    def __init__(self, inner: Storage) -> None:
-        super().__init__(inner)
-        self._own = inner.url.rstrip("/").rsplit("/", 1)[-1]
-        self._siblings: dict[str, Storage] = {}
-
-    def _resolve(self, name: str) -> tuple[Storage, str]:
-        if not is_ref(name):
-            return self.inner, name
-        folder, fname = split_ref(name, where=f"{self.url}/manifest.json")
-        if folder == self._own:
-            raise CorruptCheckpointError(
-                f"{self.url}: reference {name!r} points into the checkpoint's own folder; a reference must name "
-                "another checkpoint. The manifest is damaged or hostile"
-            )
-        s = self._siblings.get(folder)
-        if s is None:
-            s = self._siblings[folder] = self.inner.parent().child(folder)
-        return s, fname
-
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
-        s, n = self._resolve(name)
-        try:
-            return s.read(n, offset, length)
-        except FileNotFoundError:
-            raise _missing(self.url, name) from None
-
-    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
-        s, n = self._resolve(name)
-        try:
-            s.read_into(n, offset, buf)
-        except FileNotFoundError:
-            raise _missing(self.url, name) from None
-
-    def exists(self, name: str) -> bool:
-        s, n = self._resolve(name)
-        return s.exists(n)
-
-    def size(self, name: str) -> int:
-        s, n = self._resolve(name)
-        return s.size(n)
-
-
-def _missing(url: str, name: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{url}: the referenced data file {name!r} is missing: the checkpoint it belongs to was deleted by hand (retention "
-        "never deletes referenced data). Restore that folder, or load another checkpoint"
-    )
-
-
-def with_refs(storage: Storage, manifest: Any) -> Storage:
-    """``storage`` able to read the manifest's references (as is when it has none)."""
-    if not getattr(manifest, "refs", None) or isinstance(storage, RefView):
-        return storage
-    return RefView(storage)

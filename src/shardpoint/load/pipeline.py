@@ -1,12 +1,14 @@
 """The one owner of a load: every step of a collective load runs from
 :func:`load_state` (and of a one-process read from :func:`read_whole`), in order:
 
-1. locate: read the manifest; let the state's owners prepare; walk the local state
-   and check its keys against the checkpoint (nothing is modified yet); agree.
+1. locate (:mod:`.locate`): read the manifest; let the state's owners prepare; walk
+   the local state and check its keys against the checkpoint (:mod:`.place`;
+   nothing is modified yet); agree.
 2. which checkpoint keys some rank holds (the rest may be created).
-3. read plan and read: schedule this rank's byte ranges, read them in parallel,
-   verified; place every value in place, create what is missing, call
-   ``load_state_dict``; agree.
+3. read plan (:func:`.read.plan_jobs`, over :mod:`shardpoint.plan.read`): the byte
+   ranges this rank reads for its targets; read (:class:`.read.Reader`): in
+   parallel, verified; place (:mod:`.place`): every value in place, create what is
+   missing, call ``load_state_dict``, report; agree.
 4. the owners' collective follow-up, once every rank succeeded.
 """
 
@@ -21,11 +23,12 @@ from .._gc import gc_paused
 from ..adapters import LoadHooks
 from ..collective import Comm, agree
 from ..errors import CorruptCheckpointError, ShardpointError
-from ..format.manifest import Manifest, committed, read_manifest
+from ..format.manifest import Manifest
 from ..report import LoadReport
 from ..storage import Storage
-from ..tree import Node, Walk
-from .place import Reader, TreeLoad, _Selector, load_per_rank, materialise_tree
+from .locate import Locator, committed, read_manifest
+from .place import Collect, TreeLoad, _Selector, build, fill_all, load_per_rank, materialise_tree
+from .read import Reader, plan_jobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,10 +80,10 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
 def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> Any:
     """The nested state of a checkpoint with full CPU tensors, in one process."""
     manifest = read_manifest(storage)
-    reader = Reader(storage, manifest, verify)
-    value = materialise_tree(manifest.tree, "", reader, select=_Selector(keys, None))
-    reader.run()
-    return value
+    reads = Collect(manifest, Locator(storage, manifest))
+    value = materialise_tree(manifest.tree, "", reads, select=_Selector(keys, None))
+    _read(reads, verify)
+    return build(value)
 
 
 def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadReport, strict: bool, rank: int,
@@ -105,27 +108,27 @@ def _held_anywhere(comm: Comm, top: TreeLoad, manifest: Manifest) -> set[str]:
 
 def _read_and_fill(top: TreeLoad, manifest: Manifest, storage: Storage, select: _Selector, report: LoadReport,
                    options: LoadOptions, held: set[str], rank: int) -> None:
-    """Plan this rank's reads (its tree and its per-rank values), read them verified,
-    and place every value; Stateful objects get ``load_state_dict``."""
-    reader = Reader(storage, manifest, options.verify)
-    top.plan(reader, held.__contains__, options.create)
-    loads = [top]
-    for key, entry in manifest.tree.entries.items():
-        if entry["kind"] == "per_rank" and select(key) and key in top.walk.per_rank:
-            loads += load_per_rank(key, top.walk.per_rank[key], entry, rank, select, reader, report,
-                                   options.strict, options.create)
-    _run_reads(reader, storage, manifest)
-    report.bytes_read = reader.bytes_read
-    for tl in loads[1:]:  # per-rank values first: a parent's load_state_dict sees them filled
-        _fill_per_rank(top.walk, tl)
-    top.fill(top.walk.root, "")
+    """Collect this rank's targets (its tree and its per-rank values), read them
+    verified, and place every value; Stateful objects get ``load_state_dict``."""
+    reads = Collect(manifest, Locator(storage, manifest))
+    top.plan(reads, held.__contains__, options.create)
+    per_rank: list[TreeLoad] = []
+    for key, saved in manifest.tree.per_rank.items():
+        if select(key) and key in top.walk.per_rank:
+            per_rank += load_per_rank(key, top.walk.per_rank[key], saved, rank, select, reads, report,
+                                      options.strict, options.create)
+    report.bytes_read = _read(reads, options.verify)
+    fill_all(top, per_rank)
 
 
-def _run_reads(reader: Reader, storage: Storage, manifest: Manifest) -> None:
-    """Run the reads; a checksum failure on a checkpoint that is no longer the one
-    this load opened (replaced or removed meanwhile) is reported as that."""
+def _read(reads: Collect, verify: bool) -> int:
+    """Plan and run the reads; returns the bytes read. A checksum failure on a
+    checkpoint that is no longer the one this load opened (replaced or removed
+    meanwhile) is reported as that."""
+    storage, manifest = reads.locator.storage, reads.manifest
+    reader = Reader(storage, manifest.crc_block, verify)
     try:
-        reader.run()
+        reader.run(plan_jobs(reads.targets, reads.locator))
     except CorruptCheckpointError:
         if not committed(storage, manifest.save_id):
             raise ShardpointError(
@@ -134,21 +137,4 @@ def _run_reads(reader: Reader, storage: Storage, manifest: Manifest) -> None:
                 "damaged. Load again (the targets may be partly filled)"
             ) from None
         raise
-
-
-def _fill_per_rank(w: Walk, tl: TreeLoad) -> None:
-    root = tl.walk.root
-    key = next(k for k, sub in w.per_rank.items() if sub is tl.walk)
-    value = tl.fill(root, key)
-    # the PerRank object itself is reachable from the parent walk's per_rank node
-    _set_per_rank_value(w.root, tl.walk, value)
-
-
-def _set_per_rank_value(node: Node, sub: Walk, value: Any) -> bool:
-    if node.kind == "per_rank" and node.inner is sub.root:
-        node.obj.value = value
-        return True
-    for child in node.children.values():
-        if _set_per_rank_value(child, sub, value):
-            return True
-    return node.inner is not None and node.kind == "stateful" and _set_per_rank_value(node.inner, sub, value)
+    return reader.bytes_read

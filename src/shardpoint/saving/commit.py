@@ -18,7 +18,8 @@ from typing import Any
 from ..collective import Comm, coordinate
 from ..errors import CheckpointNotFoundError, ShardpointError
 from ..format.index import index_name
-from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..format.manifest import MANIFEST_NAME
+from ..load.locate import read_manifest
 from ..runtime import PROCESS
 from ..storage import Storage
 from .coordinator import Coordinator

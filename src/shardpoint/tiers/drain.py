@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 from ..errors import CorruptCheckpointError, ShardpointError
-from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..format.manifest import MANIFEST_NAME
+from ..load.locate import read_manifest
 from ..storage import Storage, storage_for
 from ..storage.local import LocalStorage
 

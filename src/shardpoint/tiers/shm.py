@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
-from ..format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
 from .config import job_folder

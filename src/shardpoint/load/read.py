@@ -1,0 +1,346 @@
+"""Read: the load's I/O. Turns each target's read plan into typed jobs (the byte
+range of a saved chunk to copy into a view), reads them in parallel and checks
+every byte against its block CRC-32 before the load returns.
+
+Many small chunks that lie next to each other in one file are read with one
+call and placed from that buffer (a job each costs a few microseconds, not a
+read, a thread hand-off and a file open); a large contiguous region is read
+straight into its target's memory, with no staging copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from ..errors import CorruptCheckpointError, ShardpointError
+from ..format.boxes import Box
+from ..format.chunks import ChunkLoc, TensorSpec
+from ..format.datafile import crc32
+from ..plan.read import plan_reads, tiling_problem
+from ..storage import Storage
+from .locate import Locator
+
+__all__ = ["IO_THREADS", "ReadJob", "Reader", "Target", "plan_jobs", "read_verified"]
+
+_Bytes = bytes | bytearray | memoryview
+
+#: Threads that read and verify chunks in parallel.
+IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))
+#: A job whose bytes are at most this many is read together with its neighbours in the file.
+_SMALL = 1 << 20
+#: Most bytes one batched read covers.
+_BATCH = 8 << 20
+#: Bytes of one piece of a large read straight into its target (see :meth:`Reader._pieces`).
+_PIECE_DIRECT = 4 << 20
+#: Largest single read while checksumming a whole chunk (verify, export).
+_PIECE = 8 << 20
+
+
+@dataclass(slots=True)
+class Fresh:
+    """A tensor the load creates (no local object holds the key). The read stage
+    allocates it, once its files are seen to hold its bytes (a manifest's shape is
+    only a claim: a damaged or hostile one must not make a load ask for a
+    petabyte), and reads it."""
+
+    spec: TensorSpec
+    tensor: torch.Tensor | None = None
+
+
+class Target(NamedTuple):
+    """A tensor to fill: its saved description and the views that hold this rank's
+    boxes of it, or (``fresh``) a tensor to create whole."""
+
+    spec: TensorSpec
+    boxes: list[Box]
+    views: list[torch.Tensor]
+    per_rank: bool
+    fresh: Fresh | None = None
+
+
+class ReadJob(NamedTuple):
+    """Bytes ``[lo, hi)`` of one saved chunk, to copy into ``dst`` (the part of a target
+    view that ``region`` of the tensor covers)."""
+
+    key: str
+    loc: ChunkLoc
+    chunk: Box
+    region: Box
+    lo: int
+    hi: int
+    contiguous: bool
+    """The region is exactly bytes ``[lo, hi)`` of the chunk (else a strided part of them)."""
+    dtype: torch.dtype
+    """The saved dtype (``dst`` may have another: the copy converts)."""
+    dst: torch.Tensor
+
+
+def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
+    """The read plan of every target (:func:`~shardpoint.plan.read.plan_reads`), each
+    operation located (:meth:`Locator.locate`) and made a job."""
+    jobs: list[ReadJob] = []
+    for t in targets:
+        spec = t.spec
+        if t.fresh is not None:
+            t.fresh.tensor = _allocate(spec, locator)
+            t = t._replace(views=[t.fresh.tensor])
+        chunks = spec.chunks()
+        boxes = [c.box for c in chunks]
+        if spec.listed:
+            why = tiling_problem(boxes, spec.shape)
+            if why is not None:
+                raise CorruptCheckpointError(f"key {spec.key!r}: {why} in the manifest; the checkpoint is damaged")
+        try:
+            ops = plan_reads(boxes, t.boxes)
+        except ValueError:
+            raise CorruptCheckpointError(f"key {spec.key!r}: the checkpoint's chunks do not cover the tensor") from None
+        located: dict[int, ChunkLoc] = {}
+        views: dict[int, torch.Tensor] = {}
+        size, dtype = spec.itemsize, spec.dtype
+        for op in ops:
+            loc = located.get(op.source)
+            if loc is None:
+                loc = located[op.source] = locator.locate(spec, chunks[op.source], t.per_rank)
+            dst = views.get(op.target)
+            if dst is None:  # a parameter may require grad: write its data
+                dst = views[op.target] = t.views[op.target].detach()
+            tbox = t.boxes[op.target]
+            if op.region != tbox:
+                for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes, tbox.sizes)):
+                    if n != m:
+                        dst = dst.narrow(d, r - o, n)
+            jobs.append(ReadJob(spec.key, loc, chunks[op.source].box, op.region, op.first * size, op.last * size,
+                                op.runs == 1, dtype, dst))
+    return jobs
+
+
+#: Tensors at least this large are allocated only after their files are seen to hold their bytes.
+_CHECK_BEFORE_ALLOC = 64 << 20
+
+
+def _allocate(spec: TensorSpec, locator: Locator) -> torch.Tensor:
+    """An empty CPU tensor for a created key; a large one only once its files are
+    seen to hold its bytes."""
+    nbytes = spec.nbytes
+    if nbytes >= _CHECK_BEFORE_ALLOC:
+        locator.check_holds(spec)
+    try:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    except (RuntimeError, MemoryError) as err:
+        raise ShardpointError(
+            f"key {spec.key!r}: cannot allocate a {spec.dtype_name} tensor of shape {list(spec.shape)} ({nbytes} bytes) to "
+            f"load it into ({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
+        ) from None
+
+
+@dataclass(slots=True)
+class Reader:
+    """Runs read jobs in parallel, verifying block checksums (unless ``verify`` is False)."""
+
+    storage: Storage
+    block: int
+    verify: bool = True
+    bytes_read: int = 0
+    _devices: set[torch.device] = field(default_factory=set)  # CUDA devices with copies in flight
+
+    def run(self, jobs: Sequence[ReadJob]) -> None:
+        """Read and place every job; raises :class:`CorruptCheckpointError` naming the
+        key and file of the first one whose bytes are missing or damaged."""
+        tasks = self._tasks(jobs)
+        if not tasks:
+            return
+        try:
+            if len(tasks) == 1 or IO_THREADS <= 1:
+                self.bytes_read += sum(t() for t in tasks)
+                return
+            with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(tasks))) as ex:
+                self.bytes_read += sum(ex.map(lambda t: t(), tasks))
+        finally:
+            for d in self._devices:  # the targets hold their bytes when the load returns
+                torch.cuda.synchronize(d)
+            self._devices.clear()
+
+    def _tasks(self, jobs: Sequence[ReadJob]) -> list[Callable[[], int]]:
+        """One task per large job; small jobs next to each other in a file, one task per batch."""
+        tasks: list[Callable[[], int]] = []
+        small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
+        for j in jobs:
+            a, b = self._span(j.loc, j.lo, j.hi)
+            if b - a <= _SMALL:
+                small.append((j.loc.file, j.loc.offset + a, j.loc.offset + b, a, j))
+            else:
+                tasks += [partial(self._one, p) for p in self._pieces(j)]
+        small.sort(key=lambda s: (s[0], s[1]))
+        i = 0
+        while i < len(small):
+            fname, start, end = small[i][0], small[i][1], small[i][2]
+            k = i + 1
+            while k < len(small) and small[k][0] == fname and small[k][1] <= end and small[k][2] - start <= _BATCH:
+                end = max(end, small[k][2])
+                k += 1
+            members = small[i:k]
+            tasks.append(partial(self._batch, fname, start, end, members))
+            i = k
+        return tasks
+
+    def _pieces(self, j: ReadJob) -> list[ReadJob]:
+        """A large job straight into a contiguous CPU target, cut at checksum block
+        boundaries into pieces of about :data:`_PIECE_DIRECT` bytes: each piece's
+        CRCs are computed right after its read, while its bytes are still in the CPU's
+        cache, and the pieces of one tensor are read in parallel."""
+        dst, size = j.dst, j.dst.element_size()
+        step = max(1, _PIECE_DIRECT // self.block) * self.block
+        if not (j.contiguous and dst.dtype == j.dtype and dst.device.type == "cpu" and dst.is_contiguous()) \
+                or step % size or j.hi - j.lo <= step:
+            return [j]
+        flat = dst.reshape(-1)
+        cuts = [j.lo, *range((j.lo // step + 1) * step, j.hi, step), j.hi]
+        return [j._replace(lo=lo, hi=hi, dst=flat[(lo - j.lo) // size : (hi - j.lo) // size])
+                for lo, hi in zip(cuts[:-1], cuts[1:])]
+
+    def _batch(self, fname: str, start: int, end: int, members: list[tuple[str, int, int, int, ReadJob]]) -> int:
+        """Read bytes ``[start, end)`` of ``fname`` once; check and place every member from them."""
+        data = memoryview(self._read(members[0][4], fname, start, end - start))
+        for _f, s, e, a, j in members:
+            piece = data[s - start : e - start]
+            if self.verify:
+                self._check(j, a, a + len(piece), a, a + len(piece), b"", piece, b"")
+            self._place(j, piece, a)
+        return end - start
+
+    def _one(self, j: ReadJob) -> int:
+        """One large job: straight into the target when it is one byte range of a
+        contiguous CPU (or CUDA, through pinned memory) tensor of the saved dtype."""
+        dst = j.dst
+        on_gpu = dst.device.type == "cuda"
+        if j.contiguous and dst.dtype == j.dtype and (on_gpu or dst.device.type == "cpu") and dst.is_contiguous():
+            if not on_gpu:
+                return self._read_into(j, dst)
+            host = torch.empty(dst.shape, dtype=j.dtype, pin_memory=True)  # then to the device while the next reads run
+            n = self._read_into(j, host)
+            self._to_device(dst, host)
+            return n
+        a, b = self._span(j.loc, j.lo, j.hi)
+        data = memoryview(self._read(j, j.loc.file, j.loc.offset + a, b - a))
+        if self.verify:
+            self._check(j, a, b, a, b, b"", data, b"")
+        self._place(j, data, a)
+        return b - a
+
+    def _place(self, j: ReadJob, data: memoryview, a: int) -> None:
+        """Copy the job's region from ``data``, the chunk's bytes from byte ``a`` on."""
+        dst, dtype = j.dst, j.dtype
+        if j.region.numel == 0:
+            return
+        if j.contiguous and dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous():
+            out = dst.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            out[:] = data[j.lo - a : j.hi - a]
+            return
+        src = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+        # the region inside the saved chunk, as a strided view of the bytes read
+        sizes = j.chunk.sizes
+        strides = [1] * len(sizes)
+        for d in range(len(sizes) - 2, -1, -1):
+            strides[d] = strides[d + 1] * sizes[d + 1]
+        base = j.lo // src.element_size() - a // src.element_size()
+        region = src.as_strided(j.region.sizes, strides, base) if sizes else src[base : base + 1].reshape(())
+        if dst.device.type == "cuda":  # one host copy of the region, pinned, then asynchronously to the device
+            host = torch.empty(region.shape, dtype=dtype, pin_memory=True)
+            host.copy_(region)
+            self._to_device(dst, host)
+        else:
+            dst.copy_(region)
+
+    def _to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        """An asynchronous copy from pinned ``host`` (kept by torch's caching host
+        allocator until the copy ran); :meth:`run` waits for the device at its end."""
+        self._devices.add(dst.device)
+        dst.copy_(host, non_blocking=True)
+
+    def _read_into(self, j: ReadJob, dst: torch.Tensor) -> int:
+        """Bytes ``[lo, hi)`` of a chunk straight into a contiguous CPU tensor of the
+        saved dtype, with no staging copy. To verify, the partial CRC blocks at the
+        two ends are completed with small reads of their outer bytes (CRC-32 chains);
+        returns the bytes read."""
+        view = dst.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        try:
+            self.storage.read_into(j.loc.file, j.loc.offset + j.lo, view)
+        except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
+            raise CorruptCheckpointError(f"key {j.key!r}: {e}") from None
+        if not self.verify:
+            return len(view)
+        a, b = self._span(j.loc, j.lo, j.hi)
+        head = self._read(j, j.loc.file, j.loc.offset + a, j.lo - a) if j.lo > a else b""
+        tail = self._read(j, j.loc.file, j.loc.offset + j.hi, b - j.hi) if b > j.hi else b""
+        self._check(j, a, b, j.lo, j.hi, head, view, tail)
+        return len(view) + len(head) + len(tail)
+
+    def _span(self, loc: ChunkLoc, lo: int, hi: int) -> tuple[int, int]:
+        """``[lo, hi)`` rounded out to whole checksum blocks (when verifying)."""
+        if not self.verify:
+            return lo, hi
+        blk = self.block
+        return (lo // blk) * blk, min(-(-hi // blk) * blk, loc.length)
+
+    def _read(self, j: ReadJob, fname: str, at: int, n: int) -> bytearray:
+        try:
+            data = self.storage.read(fname, at, n)
+        except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
+            raise CorruptCheckpointError(f"key {j.key!r}: {e}") from None
+        if len(data) != n:
+            raise CorruptCheckpointError(f"key {j.key!r}: short read from {fname}; the file is truncated")
+        return data if isinstance(data, bytearray) else bytearray(data)  # torch.frombuffer wants it writable
+
+    def _check(self, j: ReadJob, a: int, b: int, lo: int, hi: int, head: _Bytes, mid: _Bytes, tail: _Bytes) -> None:
+        """Check blocks ``[a, b)`` of a chunk whose bytes are ``head`` (``[a, lo)``),
+        ``mid`` (``[lo, hi)``) and ``tail`` (``[hi, b)``), chaining CRC-32 across them."""
+        blk, loc = self.block, j.loc
+        for k in range(a // blk, max(-(-b // blk), a // blk + 1)):
+            s, e = k * blk, min((k + 1) * blk, loc.length)
+            crc = crc32(head[s - a :]) if s < lo else 0
+            crc = crc32(mid[max(s, lo) - lo : max(min(e, hi) - lo, 0)], crc)
+            if e > hi:
+                crc = crc32(tail[max(s, hi) - hi : e - hi], crc)
+            if crc != loc.crc32[k]:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {loc.file} (bytes {loc.offset + s}..{loc.offset + e}) for key "
+                    f"{j.key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
+                )
+
+
+def read_verified(storage: Storage, loc: ChunkLoc, block: int, on_bad: Callable[[int], None] | None = None,
+                  ) -> Iterator[bytes | bytearray]:
+    """A whole chunk's bytes in pieces of at most 8 MiB (memory stays bounded whatever
+    a damaged manifest claims), each checksum block checked once it is complete. A
+    block that does not match calls ``on_bad(block number)``, or raises
+    :class:`CorruptCheckpointError` without it. A short file raises it too."""
+    n = loc.length
+    if n == 0 and loc.crc32[0] != 0:
+        _bad(on_bad, loc, 0, 0, 0)
+    for k, start in enumerate(range(0, n, block)):
+        end = min(start + block, n)
+        crc = 0
+        for p in range(start, end, _PIECE):
+            q = min(p + _PIECE, end)
+            data = storage.read(loc.file, loc.offset + p, q - p)
+            if len(data) != q - p:
+                raise CorruptCheckpointError(f"short read at byte {loc.offset + p} of {loc.file}: the file is truncated")
+            crc = crc32(data, crc)
+            yield data
+        if crc != loc.crc32[k]:
+            _bad(on_bad, loc, k, start, end)
+
+
+def _bad(on_bad: Callable[[int], None] | None, loc: ChunkLoc, k: int, start: int, end: int) -> None:
+    if on_bad is None:
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {loc.file} (bytes {loc.offset + start}..{loc.offset + end}): the file is damaged"
+        )
+    on_bad(k)
