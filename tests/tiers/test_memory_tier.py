@@ -22,7 +22,8 @@ import torch
 from shardpoint import CheckpointManager
 from shardpoint.errors import UsageError
 from shardpoint.format.digest import unseal
-from shardpoint.format.manifest import MANIFEST_NAME, read_manifest
+from shardpoint.format.manifest import MANIFEST_NAME
+from shardpoint.load.locate import read_manifest
 from shardpoint.storage import LocalStorage
 from shardpoint.tiers import MemoryTier, TieredLoadReport
 from shardpoint.verify import verify
