@@ -12,7 +12,7 @@ import torch
 
 from .collective import Comm
 from .errors import UsageError
-from .format.manifest import decode_value
+from .format.manifest import PlainValue, decode_value
 from .load.locate import read_manifest
 from .load.pipeline import LoadOptions, load_state, read_whole
 from .report import LoadReport
@@ -152,7 +152,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     storage = storage_for(path, storage_options)
     m = read_manifest(storage)
     tensors: dict[str, TensorInfo] = {}
-    values: dict[str, Any] = {}
+    values: dict[str, PlainValue] = {}
     per_rank: dict[str, list[int]] = {}
     for k, e in sorted(m.tree.entries.items()):
         if e["kind"] == "tensor":

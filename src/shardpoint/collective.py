@@ -27,10 +27,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
@@ -146,8 +146,28 @@ class _Channel(_Background):
         self.data = self.ctl = None
 
 
+class _Arrival(TypedDict):
+    """A rank's arrival record on the store (JSON, one line per rank)."""
+
+    r: int
+    n: int
+    op: str
+    path: str
+
+
+class _KeyValue(Protocol):
+    """What a call's release uses of the process group's store (torch's ``Store``,
+    whose stub types ``set`` as taking ``str`` only; it takes bytes too)."""
+
+    def get(self, key: str, /) -> bytes: ...
+
+    def set(self, key: str, value: str | bytes, /) -> None: ...
+
+    def wait(self, keys: list[str], timeout: timedelta, /) -> None: ...
+
+
 @functools.cache
-def _takes_async_op(collective: Any) -> bool:
+def _takes_async_op(collective: Callable[..., object]) -> bool:
     try:
         return "async_op" in inspect.signature(collective).parameters
     except (TypeError, ValueError):
@@ -342,7 +362,7 @@ class Comm:
             ch.seq = seq
             ch.given_up.clear()
 
-    def _released(self, s: Any, k: str, n: int, world: int, verdict_of_last: Callable[[], bytes]) -> bytes:
+    def _released(self, s: _KeyValue, k: str, n: int, world: int, verdict_of_last: Callable[[], bytes]) -> bytes:
         """The verdict of call ``k`` for a rank whose count-in returned ``n``: the call's
         release key if the call was already given up (a late rank) or once it is
         written; the last rank to count in writes it (``verdict_of_last()``); a rank
@@ -374,7 +394,7 @@ class Comm:
         absent = [r for r in range(world) if r not in counted]
         s.set(k + "go", "aborted:" + json.dumps(absent))
 
-    def _records(self, k: str, want: int, enough: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+    def _records(self, k: str, want: int, enough: Callable[[list[_Arrival]], bool]) -> list[_Arrival]:
         """The ranks' arrival records (failure paths only), once ``enough`` of them
         are in (each rank appends its own right after counting itself in)."""
         assert self.store is not None
@@ -409,7 +429,7 @@ class Comm:
         )
 
     # -- the lanes -------------------------------------------------------------------
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup | None:
         """The data lane (gloo) of this process group's channel. Made on first use
         if no arrival made it yet: call it only where every rank is."""
         assert self.channel is not None
@@ -478,7 +498,7 @@ class Comm:
         ns = [int(s.item()) for s in sizes]
         bufs = [torch.empty(n, dtype=torch.uint8) for n in ns]
 
-        def recv_all(group: Any) -> None:
+        def recv_all(group: ProcessGroup | None) -> None:
             works = [self._td.irecv(bufs[r], src=self.ranks[r], group=group) for r in range(1, self.world) if ns[r]]
             for w in works:
                 w.wait()
@@ -501,7 +521,7 @@ class Comm:
             sizes = [torch.tensor([len(d)], dtype=torch.int64) for d in datas]
             self._run(self._td.scatter, size, sizes, src=root)
 
-            def send_all(group: Any) -> None:
+            def send_all(group: ProcessGroup | None) -> None:
                 works = [self._td.isend(_as_tensor(datas[r]), dst=self.ranks[r], group=group)
                          for r in range(1, self.world) if datas[r]]
                 for w in works:
@@ -548,7 +568,13 @@ class Comm:
         self._run(self._td.all_reduce, out, op=self._td.ReduceOp.MAX, lane="ctl")
         return bool(out[0])
 
-    def _run(self, collective: Any, *args: Any, lane: str = "data", **kwargs: Any) -> None:
+    def _run(
+        self,
+        collective: Callable[..., Any],  # Any: a torch.distributed collective, its Work with async_op=True
+        *args: object,
+        lane: str = "data",
+        **kwargs: object,
+    ) -> None:
         """One collective on a lane of the channel (every checkpoint collective goes
         through here). When it fails (gloo raises as soon as a peer's connection
         closes), raise :class:`CollectiveMismatchError` naming the ranks that are
@@ -633,11 +659,21 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _failure(error: BaseException) -> dict[str, Any]:
+class _Failure(TypedDict, total=False):
+    """A failed rank's record in a collective call's exchange (JSON)."""
+
+    ok: bool
+    error: str
+    type: str
+    rank: int
+    failed: list[int]
+
+
+def _failure(error: BaseException) -> _Failure:
     return {"ok": False, "error": f"{type(error).__name__}: {error}", "type": type(error).__name__}
 
 
-def _raise_failed(comm: Comm, failed: list[tuple[int, dict[str, Any]]], error: BaseException | None) -> None:
+def _raise_failed(comm: Comm, failed: list[tuple[int, _Failure]], error: BaseException | None) -> None:
     """Raise on this rank for a collective call in which ``failed`` ranks failed
     (this rank's own ``error`` first, with its original type). Another rank's
     ordinary error (a full disk) arrives as a :class:`ShardpointError` naming that
@@ -659,7 +695,7 @@ def _raise_failed(comm: Comm, failed: list[tuple[int, dict[str, Any]]], error: B
 
 
 def coordinate(comm: Comm, payload: object, error: BaseException | None,
-               decide: Callable[[list[Any]], list[Any]]) -> Any:
+               decide: Callable[[list[Any]], Sequence[object]]) -> Any:
     """One round of the coordinator pattern: every rank's ``payload`` (or the error it
     hit) goes to rank 0, which calls ``decide(payloads) -> replies`` (one reply per
     rank) and sends each rank only its own reply. If any rank failed, or ``decide``
@@ -674,7 +710,7 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
     own: BaseException | None = error
     try:
         everyone = comm.gather_json(mine)
-        replies: list[Any] | None = None
+        replies: list[object] | None = None
         if everyone is not None:  # the coordinator
             failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
             if failed:
@@ -695,7 +731,7 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
         # a peer is gone as well; this rank's own failure is what its user needs first
         raise ShardpointError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})") from own
     if not reply["ok"]:
-        others: list[tuple[int, dict[str, Any]]] = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
+        others: list[tuple[int, _Failure]] = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
         _raise_failed(comm, [(reply["rank"], reply), *others], own)
     return reply["payload"]
 

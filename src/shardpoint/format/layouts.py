@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ MAX_CELLS = 1 << 22
 Chunk = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
 
 
-def _cuts_of(spec: Any, n: int) -> list[int] | None:
+def _cuts_of(spec: object, n: int) -> list[int] | None:
     """The cut points of one dimension of size ``n`` (None if ``spec`` is malformed)."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 1 or n < 1 or -(-n // spec) > MAX_CELLS:
@@ -55,7 +55,7 @@ def _cuts_of(spec: Any, n: int) -> list[int] | None:
 MEMO_MAX = 1 << 14
 
 
-def layout_key(entry: dict[str, Any], shape: Sequence[int], world_size: int) -> str | None:
+def layout_key(entry: Mapping[str, object], shape: Sequence[int], world_size: int) -> str | None:
     """A text that equal grid or flat layouts (of equal shapes, in jobs of ``world_size``)
     share, to remember work on one; None for a chunk list (rarely shared)."""
     if "chunks" in entry:
@@ -63,7 +63,7 @@ def layout_key(entry: dict[str, Any], shape: Sequence[int], world_size: int) -> 
     return f"{'grid' in entry}{'flat' in entry}{list(shape)!r}{entry.get('grid')!r}{entry.get('flat')!r}{world_size}"
 
 
-def check(entry: dict[str, Any], shape: list[int], world_size: int, key: str | None = None) -> str | None:
+def check(entry: Mapping[str, object], shape: list[int], world_size: int, key: str | None = None) -> str | None:
     """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
     pieces tile ``shape`` exactly and every rank is one of the saving job's. ``key``:
     the entry's :func:`layout_key`, where the caller has it."""
@@ -79,13 +79,13 @@ def check(entry: dict[str, Any], shape: list[int], world_size: int, key: str | N
     return why
 
 
-def _check(entry: dict[str, Any], shape: list[int], world_size: int) -> str | None:
+def _check(entry: Mapping[str, object], shape: list[int], world_size: int) -> str | None:
     numel = math.prod(shape)
     forms = [f for f in ("grid", "flat", "chunks") if f in entry]
     if len(forms) != 1:
         return "must have exactly one of 'grid', 'flat', 'chunks'"
 
-    def is_rank(r: Any) -> bool:
+    def is_rank(r: object) -> bool:
         return isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size
 
     if "grid" in entry:
@@ -172,7 +172,7 @@ def expand(entry: dict[str, Any], shape: tuple[int, ...]) -> list[Chunk]:
             for cell, r in zip(itertools.product(*pieces), rank_list, strict=True)]
 
 
-def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any]:
+def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, object]:
     """The most compact description of a tensor's saved (non-empty) chunks: ``grid``
     when they are the cells of a grid, ``flat`` when each is a row-major range,
     else the chunk list. ``offsets``/``sizes`` are (m, ndim) arrays, ``ranks`` (m,)."""
@@ -191,13 +191,13 @@ def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks
     return {"chunks": [{"offsets": offsets[i].tolist(), "sizes": sizes[i].tolist(), "rank": int(ranks[i])} for i in order]}
 
 
-def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, Any] | None:
+def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, object] | None:
     m, nd = offsets.shape
     grid = grid_cells(offsets, sizes)
     if grid is None:
         return None
     cuts, cell = grid
-    specs: list[Any] = []
+    specs: list[int | list[int]] = []
     rank_of_cell = np.empty(m, dtype=np.int64)
     rank_of_cell[cell] = ranks
     for d in range(nd):
@@ -207,7 +207,7 @@ def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str
             specs.append(c0)
         else:
             specs.append(cuts[d].tolist())
-    rs: Any
+    rs: list[int] | dict[str, int]
     if m == 1:
         rs = [int(rank_of_cell[0])]
     else:

@@ -20,10 +20,10 @@ import base64
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 from ..errors import CorruptCheckpointError
 from . import layouts
@@ -56,11 +56,15 @@ DAMAGED_FIX = (
 )
 
 
-def _reject_constant(name: str) -> Any:
+#: A plain value as a checkpoint stores it (:func:`encode_value`, :func:`decode_value`).
+PlainValue = bool | int | float | str | bytes | None
+
+
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def encode_value(v: Any) -> list[Any]:
+def encode_value(v: object) -> list[object]:
     """A plain value as a JSON array ``[type, payload]``. Raises ``TypeError`` for
     anything that is not None, bool, int, float, str or bytes."""
     if v is None:
@@ -78,7 +82,7 @@ def encode_value(v: Any) -> list[Any]:
     raise TypeError(type(v).__name__)
 
 
-def decode_value(e: Any, where: str = "value") -> Any:
+def decode_value(e: Any, where: str = "value") -> PlainValue:  # Any: the manifest's JSON, checked here
     """Inverse of :func:`encode_value`."""
     try:
         kind = e[0]
@@ -113,12 +117,12 @@ class Tree:
     # what parsing makes of ``entries``, the same for every format version:
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
     """The tensor entries, typed."""
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, PlainValue] = field(default_factory=dict)
     """The plain values, decoded."""
     per_rank: dict[str, dict[int, Tree]] = field(default_factory=dict)
     """Each per-rank value's sub-tree of each saving rank that held it."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"containers": self.containers, "entries": self.entries}
 
 
@@ -410,7 +414,7 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
     return None
 
 
-def _check_keys(containers: dict[str, str], entries: dict[str, Any], bad: _Bad, under: str | None) -> None:
+def _check_keys(containers: dict[str, str], entries: Mapping[str, object], bad: _Bad, under: str | None) -> None:
     """The keys form a tree a save could have written: no leaf has children or is
     also a container, list and tuple children are indexed by integers, integer
     segments are of sane length, and a per-rank value's keys lie under its own key

@@ -47,15 +47,35 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, TypedDict
+
+import torch
 
 from .. import api
 from ..errors import ShardpointError
 from ..report import LoadReport
 from ..state import TrainState
+from ..tree import Stateful
 from ._trainer import apply_rng, capture_rng
 
 __all__ = ["save_state", "load_state", "ResumableLoader"]
+
+
+class _Accelerator(Protocol):
+    """What is read of an ``accelerate.Accelerator``: its prepared and registered objects."""
+
+    _models: list[torch.nn.Module]
+    _optimizers: list[torch.optim.Optimizer]
+    _schedulers: list[Stateful]
+    _custom_objects: list[object]
+
+
+class _Position(TypedDict):
+    """A :class:`ResumableLoader`'s state."""
+
+    epoch: int
+    samples_in_epoch: int
+    total_batch_size: int
 
 
 class ResumableLoader:
@@ -75,7 +95,7 @@ class ResumableLoader:
         self.loader = loader
         self._yielded = 0  # batches this rank handed out in the current epoch
         self._skip = 0  # batches to skip at the next iteration (after a load)
-        self._rng: dict[str, Any] | None = None  # RNG streams to apply at the first batch (after a load)
+        self._rng: dict[str, object] | None = None  # RNG streams to apply at the first batch (after a load)
 
     @property
     def epoch(self) -> int:
@@ -106,11 +126,11 @@ class ResumableLoader:
         finally:
             loader.skip_batches = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> _Position:
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
                 "total_batch_size": int(self.loader.total_batch_size)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: _Position) -> None:
         samples, per_step = int(state["samples_in_epoch"]), int(self.loader.total_batch_size)
         if samples % per_step:
             raise ShardpointError(
@@ -122,7 +142,7 @@ class ResumableLoader:
         self._skip = self._yielded = samples // per_step
 
 
-def _unwrap(model: Any) -> Any:
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP / ``torch.compile`` wrappers (``accelerator.unwrap_model``
     would import DeepSpeed, when installed, on every call)."""
     while True:
@@ -134,7 +154,7 @@ def _unwrap(model: Any) -> Any:
         model = inner
 
 
-def _train_state(accelerator: Any, rng: bool | int) -> TrainState:
+def _train_state(accelerator: _Accelerator, rng: bool | int) -> TrainState:
     models = [_unwrap(m) for m in accelerator._models]
     opts = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
     scheds = [getattr(s, "scheduler", s) for s in accelerator._schedulers]
@@ -152,7 +172,7 @@ def _train_state(accelerator: Any, rng: bool | int) -> TrainState:
     )
 
 
-def save_state(accelerator: Any, output_dir: str | os.PathLike[str], *, rng: bool | int = True,
+def save_state(accelerator: _Accelerator, output_dir: str | os.PathLike[str], *, rng: bool | int = True,
                overwrite: bool = True, timeout: timedelta | float = api.DEFAULT_TIMEOUT) -> None:
     """Save the accelerator's prepared objects and registered objects to
     ``output_dir``. Collective: every rank calls it.
@@ -169,7 +189,7 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str], *, rng: boo
     api.save(_train_state(accelerator, rng), path, overwrite=overwrite, timeout=timeout, tag="accelerate save_state")
 
 
-def load_state(accelerator: Any, input_dir: str | os.PathLike[str], *, rng: bool | int = True,
+def load_state(accelerator: _Accelerator, input_dir: str | os.PathLike[str], *, rng: bool | int = True,
                exclude: list[str] | None = None, strict: bool = True,
                timeout: timedelta | float = api.DEFAULT_TIMEOUT) -> LoadReport:
     """Load what :func:`save_state` saved, in place, on any number of processes.

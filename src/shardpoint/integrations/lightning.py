@@ -41,13 +41,17 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shardpoint.integrations.lightning needs PyTorch Lightning (the `lightning` package): "
@@ -92,23 +96,23 @@ class ShardpointStrategyMixin:
     """
 
     # provided by the Lightning strategy this is mixed into (annotations only: no attribute here)
-    lightning_module: Any
+    lightning_module: LightningModule
     is_global_zero: bool
-    lr_scheduler_configs: list[Any]
+    lr_scheduler_configs: list[LRSchedulerConfig]
 
     def __init__(
         self,
-        *args: Any,
+        *args: object,
         checkpoint_timeout: timedelta | float = api.DEFAULT_TIMEOUT,
         exclude: list[str] | None = None,
         rng: bool | int = True,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoint_timeout = checkpoint_timeout
         self.exclude = list(exclude or [])
         self.rng = rng
-        self._pending_rng: dict[str, Any] | None = None
+        self._pending_rng: dict[str, object] | None = None
 
     # -- what is saved -----------------------------------------------------------------
     @property
@@ -116,8 +120,8 @@ class ShardpointStrategyMixin:
         """Load after ``setup``: the optimizers exist, so their state loads in place."""
         return True
 
-    def _sp_optimizers(self) -> list[Any]:
-        out = []
+    def _sp_optimizers(self) -> list[torch.optim.Optimizer]:
+        out: list[torch.optim.Optimizer] = []
         for o in getattr(self, "optimizers", []) or []:
             out.append(getattr(o, "_optimizer", o))  # LightningOptimizer wraps the torch one
         if len(out) > 1:
@@ -127,7 +131,7 @@ class ShardpointStrategyMixin:
             )
         return out
 
-    def _train_state(self, with_optimizer: bool, rest: dict[str, Any]) -> TrainState:
+    def _train_state(self, with_optimizer: bool, rest: Mapping[str, object]) -> TrainState:
         module = self.lightning_module
         opts = self._sp_optimizers() if with_optimizer else []
         scheds = [c.scheduler for c in getattr(self, "lr_scheduler_configs", [])] if with_optimizer else []
@@ -137,12 +141,14 @@ class ShardpointStrategyMixin:
             rng=self.rng, lightning=rest, **extra,
         )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: Mapping[str, object], filepath: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
         """Save on every rank (collective). Every rank must call it, as
         ``Trainer.save_checkpoint`` does; one that does not is named in a
         :class:`~shardpoint.CollectiveMismatchError` on the others."""
         path = os.fspath(filepath)
-        rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_PARTS}
+        rest: dict[str, object] = {k: v for k, v in checkpoint.items() if k not in _MODEL_PARTS}
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:  # Lightning's batch counters count micro-batches: record how many make a step
             rest["shardpoint"] = {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
@@ -151,7 +157,7 @@ class ShardpointStrategyMixin:
         api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options,
                  tag=step_tag(checkpoint.get("global_step", "")))
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load on every rank (collective), in place, from a checkpoint saved on any
         number of ranks; returns Lightning's full checkpoint dict."""
         path = os.fspath(checkpoint_path)
@@ -206,7 +212,7 @@ class ShardpointStrategyMixin:
                 c[k] = c[k] // saved * now
             c["completed"] = c["ready"] + done
 
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
         """Rank 0 removes a checkpoint directory: its manifest first, so a removal cut
         short never leaves something that looks like a checkpoint."""
         if not self.is_global_zero:
@@ -224,7 +230,7 @@ class ShardpointStrategyMixin:
             fs.rm(path)
 
     # -- RNG and data position -------------------------------------------------------
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
         if self._pending_rng is not None:
             apply_rng(self._pending_rng)
             self._pending_rng = None
@@ -239,7 +245,13 @@ class ShardpointStrategyMixin:
             dataloader.__class__ = _resumable(cls)
         return dataloader
 
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], object],
+        model: torch.nn.Module | None = None,
+        **kwargs: object,
+    ) -> object:
         out = _base(self, ShardpointStrategyMixin).optimizer_step(optimizer, closure, model, **kwargs)
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None:
@@ -267,11 +279,17 @@ class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStra
 
     strategy_name = "shardpoint_model_parallel"
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def lightning_module_state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         return {}
+
+
+class _ElasticLoader(Protocol):
+    """A DataLoader whose ``batch_sampler`` is an ElasticBatchSampler."""
+
+    batch_sampler: ElasticBatchSampler
 
 
 @functools.cache  # one subclass per DataLoader class, made once
@@ -281,13 +299,13 @@ def _resumable(cls: type) -> type:
     iterator, and whose length is a whole epoch's (Lightning counts the batches of a
     resumed epoch from its own progress, as for any stateful loader)."""
 
-    def state_dict(self: Any) -> dict[str, Any]:
+    def state_dict(self: _ElasticLoader) -> dict[str, object]:
         return {"elastic_batch_sampler": self.batch_sampler.state_dict()}
 
-    def load_state_dict(self: Any, state: dict[str, Any]) -> None:
+    def load_state_dict(self: _ElasticLoader, state: Mapping[str, Any]) -> None:  # Any: Lightning's saved loop state
         self.batch_sampler.load_state_dict(state["elastic_batch_sampler"])
 
-    def __len__(self: Any) -> int:  # a whole epoch, wherever the position is (Lightning counts the rest)
+    def __len__(self: _ElasticLoader) -> int:  # a whole epoch, wherever the position is (Lightning counts the rest)
         s = self.batch_sampler
         steps = s.dataset_len // s.global_batch_size if s.drop_last else -(-s.dataset_len // s.global_batch_size)
         return steps * s.accumulation_steps
@@ -298,7 +316,7 @@ def _resumable(cls: type) -> type:
     )
 
 
-def _elastic_samplers(loaders: Any) -> Iterator[ElasticBatchSampler]:
+def _elastic_samplers(loaders: object) -> Iterator[ElasticBatchSampler]:
     if loaders is None:
         return
     if isinstance(loaders, dict):

@@ -49,10 +49,13 @@ import shutil
 from datetime import timedelta
 from typing import Any, cast
 
+import torch
+from torch.utils.data import DataLoader
+
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import ExportableState, TrainerState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shardpoint.integrations.transformers needs transformers (Python >= 3.11): pip install 'shardpoint[hf]'"
@@ -63,6 +66,7 @@ from ..collective import Comm
 from ..errors import ShardpointError, UsageError
 from ..state import TrainState
 from ..storage import storage_for
+from ..tree import Stateful
 from ._trainer import Unsaveable, apply_rng, capture_rng, step_tag
 
 __all__ = ["ShardpointTrainer", "last_committed_checkpoint"]
@@ -126,14 +130,14 @@ class ShardpointTrainer(Trainer):
         self.checkpoint_exclude = list(checkpoint_exclude or [])
         self._sp_resumed_from: str | None = None
         self._sp_loaded: dict[str, Any] = {}
-        self._sp_rng: dict[str, Any] | None = None
+        self._sp_rng: dict[str, object] | None = None
         self._sp_steps_per_epoch: int | None = None
 
     # -- pieces ------------------------------------------------------------------------
-    def _sp_optimizer(self) -> Any:
+    def _sp_optimizer(self) -> torch.optim.Optimizer | None:
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
-    def _sp_scaler(self) -> Any:
+    def _sp_scaler(self) -> Stateful | None:
         return getattr(self.accelerator, "scaler", None)
 
     def _sp_global_batch(self) -> int:
@@ -146,7 +150,9 @@ class ShardpointTrainer(Trainer):
             grad_scaler=self._sp_scaler(), rng=int(self.args.seed), **extra,
         )
 
-    def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
+    def set_initial_training_values(
+        self, args: TrainingArguments, dataloader: DataLoader
+    ) -> tuple[int, int, int, int, int, int | None, int]:
         values = super().set_initial_training_values(args, dataloader)
         self._sp_steps_per_epoch = int(values[1])  # num_update_steps_per_epoch
         return values
@@ -158,7 +164,7 @@ class ShardpointTrainer(Trainer):
         self._save_checkpoint(self.model_wrapped, trial)
         return os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
@@ -175,7 +181,7 @@ class ShardpointTrainer(Trainer):
         if self.args.should_save:
             self._sp_rotate(run_dir, newest=output_dir)
 
-    def _sp_prepare_save(self, trial: Any, step: int, output_dir: str, run_dir: str) -> TrainState:
+    def _sp_prepare_save(self, trial: object, step: int, output_dir: str, run_dir: str) -> TrainState:
         """What a save does once every rank arrived, before the core's save: the
         Trainer's own bookkeeping (collective: the flos), HF's ``trainer_state.json``
         (rank 0), and the state to save."""
@@ -238,7 +244,7 @@ class ShardpointTrainer(Trainer):
             shutil.rmtree(path, ignore_errors=True)
 
     # -- load --------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed
         checkpoint of ``args.output_dir``."""
         if resume_from_checkpoint is True:
@@ -250,7 +256,7 @@ class ShardpointTrainer(Trainer):
         self._sp_resumed_from = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ShardpointError(
                 "ShardpointTrainer checkpoints DDP and single-process training; with DeepSpeed or FSDP use the "
@@ -264,7 +270,7 @@ class ShardpointTrainer(Trainer):
         self._sp_loaded = dict(target.extra)
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
-                             resume_from_checkpoint: Any, trial: Any) -> tuple[int, int]:
+                             resume_from_checkpoint: object, trial: object) -> tuple[int, int]:
         epochs, steps = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )

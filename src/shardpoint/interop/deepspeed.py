@@ -21,9 +21,9 @@ import math
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -171,8 +171,30 @@ def _numel(shape: Iterable[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
-# model_sd, osd and the optimizer states below are DeepSpeed's files as loaded (Any: read by their known keys)
-def _global_state(model_sd: dict[str, Any], groups: list[dict[str, Any]], group_fqns: list[list[str]]) -> dict[str, object]:
+class _ModelStates(TypedDict, total=False):
+    """The keys of DeepSpeed's model-states file read here (any other key is client state)."""
+
+    module: dict[str, torch.Tensor]
+    buffer_names: list[str]
+    param_shapes: list[dict[str, Sequence[int]]]  # per flat group: fqn -> shape
+    frozen_param_shapes: dict[str, Sequence[int]]
+    frozen_param_fragments: dict[str, torch.Tensor]
+    shared_params: dict[str, str]  # alias -> source
+    lr_scheduler: object
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    mp_world_size: int | None
+
+
+class _ParamGroup(TypedDict, total=False):
+    """An optimizer param group as DeepSpeed saves it: its parameters' indexes, and hyperparameters."""
+
+    params: list[int]
+
+
+# osd is DeepSpeed's optimizer file as loaded (Any: read by its known keys)
+def _global_state(model_sd: _ModelStates, groups: list[_ParamGroup], group_fqns: list[list[str]]) -> dict[str, object]:
     """What rank 0 writes once: param_groups, scheduler, counters, client state."""
     out: dict[str, object] = {}
     if groups:  # an elastic checkpoint keeps no param_groups
@@ -195,12 +217,12 @@ def _global_state(model_sd: dict[str, Any], groups: list[dict[str, Any]], group_
     return out
 
 
-def _buffers(model_sd: dict[str, Any]) -> dict[str, object]:
+def _buffers(model_sd: _ModelStates) -> dict[str, object]:
     names = set(model_sd.get("buffer_names") or [])
     return {canonical_name(k): v for k, v in (model_sd.get("module") or {}).items() if k in names}
 
 
-def _base_state(osd: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _base_state(osd: dict[str, Any]) -> tuple[list[Mapping[str, object]], list[_ParamGroup]]:
     """(per flat group: its optimizer state, per param group: hyperparameters)."""
     base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     if base is None:
@@ -236,7 +258,7 @@ def _state_leaves(state: Mapping[str, object], flat_numel: int, fqn: str, shape:
     return row
 
 
-def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], cursor: list[int]) -> dict[str, object]:
+def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: _ModelStates, cursor: list[int]) -> dict[str, object]:
     """Stage 1/2 (and BF16_Optimizer): rank ``rank`` holds elements
     ``[cursor[g], cursor[g] + n)`` of group g's unpadded flat vector (ranks' unpadded
     partitions are consecutive, as zero_to_fp32 concatenates them)."""
@@ -269,7 +291,7 @@ def _zero12_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any], c
     return out
 
 
-def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any]) -> dict[str, object]:
+def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: _ModelStates) -> dict[str, object]:
     """Stage 3: every parameter is partitioned on its own into ``ceil(numel / world)``
     elements per rank; a rank's flat groups hold its partitions back to back."""
     world = ck.world_size
@@ -320,7 +342,7 @@ def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: dict[str, Any]) ->
     return out
 
 
-def _shared(model: dict[str, object], model_sd: dict[str, Any]) -> None:
+def _shared(model: dict[str, object], model_sd: _ModelStates) -> None:
     """Tied weights: DeepSpeed saves one and names the other in ``shared_params``."""
     for alias, source in (model_sd.get("shared_params") or {}).items():
         if canonical_name(source) in model:
@@ -338,7 +360,7 @@ def _merge(into: dict[str, object], extra: Mapping[str, object]) -> None:
 def rank_states(ck: DeepSpeedCheckpoint, progress: bool = False) -> Iterator[tuple[int, dict[str, object]]]:
     """``(rank, state)`` for each old rank, reading one rank's files at a time."""
     cursor: list[int] = []
-    model0: dict[str, Any] | None = None
+    model0: _ModelStates | None = None
     with Progress(ck.world_size, f"importing {ck.folder}", enabled=progress, unit="ranks") as bar:
         for rank in range(ck.world_size):
             if ck.stage == 3:

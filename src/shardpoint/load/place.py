@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 
@@ -69,8 +69,8 @@ class TreeLoad:
     tree: Tree
     select: _Selector
     report: LoadReport
-    values: dict[str, Any] = field(default_factory=dict)  # key -> decoded value to assign
-    pending: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)  # container key -> [(seg, value)]
+    values: dict[str, object] = field(default_factory=dict)  # key -> decoded value to assign
+    pending: dict[str, list[tuple[str | int, object]]] = field(default_factory=dict)  # container key -> [(seg, value)]
     touched: set[str] = field(default_factory=set)
     rank: int = 0
     per_rank: bool = False  # a per-rank value's tree (its chunks are named apart in the data files)
@@ -155,7 +155,7 @@ class TreeLoad:
                 r.per_rank[key] = "restored" if sub is not None else "kept"
                 if sub is None:
                     continue
-                value: Any = _Wrap(PerRank, materialise_tree(sub, key, reads, per_rank=True))
+                value: object = _Wrap(_built_per_rank, materialise_tree(sub, key, reads, per_rank=True))
             else:
                 value = leaf_value(key, self.tree, reads, self.per_rank)
             self._insert(anchor, key, value)
@@ -177,7 +177,7 @@ class TreeLoad:
                 return k
         return None
 
-    def _insert(self, anchor: str, key: str, value: Any) -> None:
+    def _insert(self, anchor: str, key: str, value: object) -> None:
         """Record ``value`` to be placed at ``key``, below the local container
         ``anchor``, creating containers of the saved types on the way."""
         if self.shape is None:
@@ -197,7 +197,7 @@ class TreeLoad:
         p.put(rel[1:], value)
         lst.append((head, p))
 
-    def fill(self, node: Node, key: str) -> Any:
+    def fill(self, node: Node, key: str) -> object:
         """Place values and created keys, call load_state_dict; returns the node's new value."""
         k = node.kind
         if k in ("dict", "list", "tuple"):
@@ -256,7 +256,7 @@ def fill_all(top: TreeLoad, per_rank: list[TreeLoad]) -> None:
     top.fill(top.walk.root, "")
 
 
-def _set_per_rank_value(node: Node, sub: Walk, value: Any) -> bool:
+def _set_per_rank_value(node: Node, sub: Walk, value: object) -> bool:
     """Put ``value`` into the PerRank object whose walk is ``sub`` (reachable from the
     parent walk's per-rank node)."""
     if node.kind == "per_rank" and node.inner is sub.root:
@@ -298,9 +298,9 @@ class Pending:
 
     def __init__(self, path: Path, shape: Shape) -> None:
         self.path, self.shape = path, shape
-        self.items: dict[str | int, Any] = {}
+        self.items: dict[str | int, object] = {}
 
-    def put(self, rel: Path, value: Any) -> None:
+    def put(self, rel: Path, value: object) -> None:
         """Put ``value`` at ``rel`` below this container, creating containers on the way."""
         if len(rel) == 1:
             self.items[rel[0]] = value
@@ -310,7 +310,7 @@ class Pending:
             sub = self.items[rel[0]] = Pending(self.path + rel[:1], self.shape)
         sub.put(rel[1:], value)
 
-    def build(self) -> Any:
+    def build(self) -> object:
         kind = self.shape.types.get(self.path, "dict")
         for p in self.shape.hollow.get(self.path, ()):
             if p[-1] not in self.items:
@@ -323,24 +323,23 @@ class Pending:
 
 
 def materialise_tree(tree: Tree, key: str, reads: Collect, per_rank: bool = False,
-                     select: Callable[[str], bool] | None = None) -> Any:
+                     select: Callable[[str], bool] | None = None) -> object:
     """The value of a whole saved (sub)tree rooted at ``key``, to :func:`build` once
     its tensors (collected in ``reads``) are read. A per-rank value becomes
     ``{rank: value}``; ``per_rank``: the tree is one rank's value (its chunks are
     named apart). ``select`` limits it to some keys."""
     if key in tree.entries and (select is None or select(key)):
-        value = _entry_value(key, tree, reads, per_rank)
-    else:
-        shape = Shape(tree, select, extra=(key,))
-        base = shape.path[key]
-        value = Pending(base, shape)
-        for k in tree.entries:
-            if select is None or select(k):
-                value.put(shape.path[k][len(base):], _entry_value(k, tree, reads, per_rank))
+        return _entry_value(key, tree, reads, per_rank)
+    shape = Shape(tree, select, extra=(key,))
+    base = shape.path[key]
+    value = Pending(base, shape)
+    for k in tree.entries:
+        if select is None or select(k):
+            value.put(shape.path[k][len(base):], _entry_value(k, tree, reads, per_rank))
     return value
 
 
-def build(value: Any) -> Any:
+def build(value: object) -> object:
     """``value`` with everything created in it built (after the reads)."""
     if isinstance(value, Fresh):
         assert value.tensor is not None, "built before it was read"
@@ -348,24 +347,31 @@ def build(value: Any) -> Any:
     return value.build() if isinstance(value, (Pending, _Wrap)) else value
 
 
-class _Wrap:
-    """A created value that ``make`` wraps once built (a :class:`PerRank`, the ``{rank: value}`` of ``load_full``)."""
+_V = TypeVar("_V")
 
-    def __init__(self, make: Callable[[Any], Any], value: Any) -> None:
+
+class _Wrap(Generic[_V]):
+    """A created value that ``make`` builds and wraps (a :class:`PerRank`, the ``{rank: value}`` of ``load_full``)."""
+
+    def __init__(self, make: Callable[[_V], object], value: _V) -> None:
         self.make, self.value = make, value
 
-    def build(self) -> Any:
-        return self.make(build(self.value))
+    def build(self) -> object:
+        return self.make(self.value)
 
 
-def _entry_value(key: str, tree: Tree, reads: Collect, per_rank: bool) -> Any:
+def _built_per_rank(value: object) -> PerRank:
+    return PerRank(build(value))
+
+
+def _entry_value(key: str, tree: Tree, reads: Collect, per_rank: bool) -> object:
     if key in tree.per_rank and not per_rank:
         ranks = {r: materialise_tree(sub, key, reads, per_rank=True) for r, sub in tree.per_rank[key].items()}
         return _Wrap(lambda d: {r: build(v) for r, v in d.items()}, ranks)
     return leaf_value(key, tree, reads, per_rank)
 
 
-def leaf_value(key: str, tree: Tree, reads: Collect, per_rank: bool = False) -> Any:
+def leaf_value(key: str, tree: Tree, reads: Collect, per_rank: bool = False) -> object:
     """A new value for the saved leaf ``key`` of ``tree`` (a plain value, or a tensor
     or numpy array to :func:`build` once read)."""
     if key in tree.values:

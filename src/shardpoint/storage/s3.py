@@ -25,8 +25,8 @@ import asyncio
 import concurrent.futures as cf
 import hashlib
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from ..errors import CorruptCheckpointError
 from .retry import ObjectStoreError, Retry, error_code, retry_async, transient
@@ -34,24 +34,36 @@ from .retry import ObjectStoreError, Retry, error_code, retry_async, transient
 #: S3's smallest part (all but the last).
 MIN_PART = 5 << 20
 
+T = TypeVar("T")
+
+
+class _S3FileSystem(Protocol):
+    """What these operations use of s3fs's ``S3FileSystem``."""
+
+    loop: asyncio.AbstractEventLoop
+
+    async def get_s3(self, bucket: object = None) -> object: ...
+
+    def _get_s3_method_kwargs(self, method: object, **kwargs: object) -> dict[str, object]: ...
+
 
 class S3Objects:
     """The S3 operations of one storage: ``fs`` is the connected s3fs filesystem."""
 
-    def __init__(self, fs: Any, retry: Retry, concurrency: int, block: int) -> None:
+    def __init__(self, fs: _S3FileSystem, retry: Retry, concurrency: int, block: int) -> None:
         self.fs, self.retry, self.concurrency, self.block = fs, retry, concurrency, block
 
     # -- plumbing -------------------------------------------------------------
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Awaitable[T]) -> T:
         from fsspec.asyn import sync
 
-        async def wrap() -> Any:
+        async def wrap() -> T:
             return await coro
 
         return sync(self.fs.loop, wrap)
 
-    async def _call(self, method: str, **kwargs: Any) -> Any:
+    async def _call(self, method: str, **kwargs: object) -> Any:  # Any: botocore's answer
         """One request on s3fs's client, with the caller's ``s3_additional_kwargs``
         (encryption, ACL...) merged in, and no retry of its own."""
         s3 = await self.fs.get_s3(kwargs.get("Bucket"))
@@ -244,8 +256,7 @@ class S3Objects:
                     return None
                 raise
 
-        out: dict[str, Any] | None = self._run(retry_async(self.retry, "looking up", url, once))
-        return out
+        return self._run(retry_async(self.retry, "looking up", url, once))
 
     def size(self, bucket: str, key: str, url: str) -> int:
         info = self.head(bucket, key, url)
@@ -340,7 +351,7 @@ class _Upload:
         if self.create_retried:
             self._sweep(None)
 
-    def _is_ours(self, info: dict[str, Any] | None) -> bool:
+    def _is_ours(self, info: Mapping[str, object] | None) -> bool:
         """Whether ``info`` (a HeadObject answer) is the object these parts make: its
         ETag is the MD5 of the parts' MD5s with the part count, or (stores whose part
         ETags are not MD5s) at least the part count. The key belongs to this write."""
@@ -404,7 +415,7 @@ def _lost_answers(e: ObjectStoreError) -> bool:
     return e.__cause__ is not None and transient(e.__cause__)
 
 
-def _total(resp: dict[str, Any]) -> int | None:
+def _total(resp: Mapping[str, object]) -> int | None:
     """The object's size from a ranged answer's ``Content-Range`` (``bytes a-b/total``)."""
     rng = str(resp.get("ContentRange", ""))
     try:
@@ -413,7 +424,7 @@ def _total(resp: dict[str, Any]) -> int | None:
         return None
 
 
-def _short(url: str, offset: int, length: int, size: int | None) -> Any:
+def _short(url: str, offset: int, length: int, size: int | None) -> NoReturn:
     has = f"the object has {size}" if size is not None else "the object is shorter"
     raise CorruptCheckpointError(
         f"data file {url} is truncated: wanted bytes {offset}..{offset + length}, {has}; "
