@@ -145,11 +145,12 @@ def parse_header(data: bytes, file_size: int, where: str) -> dict[str, HeaderEnt
     return out
 
 
-def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]]) -> bytes:
-    """The first bytes of a data file holding ``tensors`` (name, safetensors dtype
+def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]], fmt: str = "shardpoint") -> bytes:
+    """The first bytes of a safetensors file holding ``tensors`` (name, safetensors dtype
     code, shape, byte length) back to back in that order: the 8-byte length and the
-    JSON header, padded with spaces to a multiple of 8."""
-    header: dict[str, object] = {"__metadata__": {"format": "shardpoint"}}
+    JSON header (``__metadata__.format`` = ``fmt``), padded with spaces to a multiple of
+    8 so the data starts aligned, as safetensors writes it."""
+    header: dict[str, object] = {"__metadata__": {"format": fmt}}
     pos = 0
     for tname, code, shape, n in tensors:
         header[tname] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
@@ -161,15 +162,11 @@ def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]]) -> byte
 
 def data_header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) -> bytes:
     """The safetensors header of a data file holding ``tensors`` (name, dtype, shape,
-    byte length), in order, with no gap: its 8-byte length and its JSON, padded to a
-    multiple of 8. A dtype safetensors lacks is written as raw bytes (``U8`` of the
-    byte length); the manifest keeps the real dtype."""
-    header: dict[str, object] = {"__metadata__": {"format": "shardpoint"}}
-    pos = 0
+    byte length), in order, with no gap (:func:`header_bytes`). A dtype safetensors
+    lacks is written as raw bytes (``U8`` of the byte length); the manifest keeps the
+    real dtype."""
+    rows = []
     for tname, dtype, shape, n in tensors:
         code = DTYPES.get(dtype_name(dtype))
-        header[tname] = {"dtype": code or "U8", "shape": list(shape) if code else [n], "data_offsets": [pos, pos + n]}
-        pos += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    return struct.pack("<Q", len(hb)) + hb
+        rows.append((tname, code or "U8", list(shape) if code else [n], n))
+    return header_bytes(rows)

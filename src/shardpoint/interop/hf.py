@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
-from ..format.datafile import DTYPES, dtype_name, tensor_bytes
+from ..format.datafile import DTYPES, dtype_name, header_bytes, tensor_bytes
 from ..tree import decode_key
 from ._progress import Progress
 
@@ -78,14 +78,7 @@ def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callab
 
 # -- export -------------------------------------------------------------------------------------------
 def _header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
-    head: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for name, code, shape, n in entries:
-        head[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return struct.pack("<Q", len(raw)) + raw
+    return header_bytes(entries, fmt="pt")
 
 
 def export_hf(

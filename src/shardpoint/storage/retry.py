@@ -176,6 +176,16 @@ def _named(what: str, url: str, exc: Exception) -> Exception:
     return ObjectStoreError(f"{what} {url} failed: {type(exc).__name__}: {exc}; not retried (not a transient error)")
 
 
+def _verdict(policy: Retry, what: str, url: str, e: Exception, attempt: int) -> Exception | None:
+    """What to raise for ``e`` on attempt ``attempt`` (``e`` itself, or an error naming
+    the object), or None to try again."""
+    if not transient(e):
+        return _named(what, url, e)
+    if attempt >= policy.attempts:
+        return exhausted(policy, what, url, e, attempt)
+    return None
+
+
 async def retry_async(policy: Retry, what: str, url: str, call: Callable[[int], Awaitable[T]]) -> T:
     """Await ``call(attempt)`` (attempt = 1, 2, ...) until it returns or fails with an
     error that is not transient (raised as is), at most ``policy.attempts`` times;
@@ -185,13 +195,11 @@ async def retry_async(policy: Retry, what: str, url: str, call: Callable[[int], 
         try:
             return await call(attempt)
         except Exception as e:  # noqa: BLE001 - classified right here
-            if not transient(e):
-                named = _named(what, url, e)
-                if named is e:
-                    raise
-                raise named from e
-            if attempt >= policy.attempts:
-                raise exhausted(policy, what, url, e, attempt) from e
+            verdict = _verdict(policy, what, url, e, attempt)
+            if verdict is e:
+                raise
+            if verdict is not None:
+                raise verdict from e
         await asyncio.sleep(policy.delay(attempt))
         attempt += 1
 
@@ -203,12 +211,10 @@ def retry_sync(policy: Retry, what: str, url: str, call: Callable[[], T]) -> T:
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - classified right here
-            if not transient(e):
-                named = _named(what, url, e)
-                if named is e:
-                    raise
-                raise named from e
-            if attempt >= policy.attempts:
-                raise exhausted(policy, what, url, e, attempt) from e
+            verdict = _verdict(policy, what, url, e, attempt)
+            if verdict is e:
+                raise
+            if verdict is not None:
+                raise verdict from e
         time.sleep(policy.delay(attempt))
         attempt += 1
