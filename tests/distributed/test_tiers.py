@@ -4,6 +4,7 @@ steps drained by the helper process restore the same."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def _restore(rank: int, world: int, root: str, base: str, durable_only: bool) ->
 
 
 def test_memory_snapshot_restores_on_any_number_of_ranks(tmp_path: Path) -> None:
-    base = f"/dev/shm/shardpoint-test-{tmp_path.name}"
+    base = f"/dev/shm/shardpoint-test-{tmp_path.name}-{os.urandom(4).hex()}"  # unique: a killed run may leave one
     root = str(tmp_path / "root")
     try:
         saved = run_ranks(_train, 2, root, base, timeout=240)[0]

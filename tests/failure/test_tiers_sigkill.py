@@ -76,7 +76,7 @@ def test_sigkill_every_rank_restores_the_newest_complete_snapshot(tmp_path: Path
     ctx.set_forkserver_preload(["torch", "shardpoint", "tests.failure._tiers_crash"])
     root, records = tmp_path / "root", tmp_path / "records"
     records.mkdir()
-    base = f"/dev/shm/shardpoint-test-{tmp_path.name}"
+    base = f"/dev/shm/shardpoint-test-{tmp_path.name}-{os.urandom(4).hex()}"  # unique: a killed run may leave one
     rng = random.Random(SEED)
     last: int | None = None
     tiers: list[str] = []

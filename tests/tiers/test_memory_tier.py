@@ -219,3 +219,33 @@ def test_ls_shows_the_tiers(tmp_path: Path, shm: Path) -> None:
     with contextlib.redirect_stdout(buf):
         assert main(["ls", str(tmp_path / "root"), "--memory-path", str(shm)]) == 0
     assert "memory" in buf.getvalue() and "durable" in buf.getvalue()
+
+
+def _open_area(base: str, identity: str, go: object) -> None:
+    from shardpoint.tiers.shm import JobArea
+
+    go.wait()  # type: ignore[attr-defined]
+    JobArea(base, identity).open()
+
+
+def test_ranks_opening_the_job_folder_at_once_all_see_it_as_theirs() -> None:
+    """Every rank opens the job's folder at the first snapshot, at the same moment: the
+    identity file is published whole, so no rank reads it half-written and takes the
+    folder for another job's (seen once on a loaded CI machine)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for trial in range(10):
+        base = f"/dev/shm/shardpoint-test-race-{os.getpid()}-{trial}-{os.urandom(4).hex()}"
+        try:
+            go = ctx.Event()
+            procs = [ctx.Process(target=_open_area, args=(base, "run=r\0root=/x", go)) for _ in range(6)]
+            for p in procs:
+                p.start()
+            go.set()
+            for p in procs:
+                p.join(60)
+            assert [p.exitcode for p in procs] == [0] * 6, trial
+            assert sorted(os.listdir(os.path.join(base, os.listdir(base)[0]))) == ["job.json"]
+        finally:
+            shutil.rmtree(base, ignore_errors=True)

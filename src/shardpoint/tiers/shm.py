@@ -99,16 +99,20 @@ class JobArea:
             _make_private_dir(self.base)
         _make_private_dir(self.dir)
         path = os.path.join(self.dir, JOB_FILE)
-        body = json.dumps({"identity": self.identity}).encode()
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            if self.owned():
-                return
-            raise ShardpointError(f"{path} names another job; its snapshots are not this job's. Remove {self.dir} "
-                                  "or give MemoryTier(job=...) another identity") from None
+        # written whole under a name of this process's own, then linked into place: the
+        # link fails if the file exists, and a rank that finds it never reads it half-written
+        tmp = os.path.join(self.dir, f".{JOB_FILE}.{os.getpid()}.{os.urandom(4).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(body)
+            f.write(json.dumps({"identity": self.identity}).encode())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if not self.owned():
+                raise ShardpointError(f"{path} names another job; its snapshots are not this job's. Remove "
+                                      f"{self.dir} or give MemoryTier(job=...) another identity") from None
+        finally:
+            os.unlink(tmp)
 
     def owned(self) -> bool:
         """Whether the folder is this job's: ours, private, and its identity file names this job."""
