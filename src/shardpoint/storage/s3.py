@@ -190,18 +190,9 @@ class S3Objects:
                     out.append(bytearray())  # at or past the end: the caller checks which
                     return
                 raise
-            body = resp["Body"]
-            try:
-                if not out:
-                    out.append(bytearray(int(resp["ContentLength"])))
-                dst = memoryview(out[0])
-                while got[0] < len(dst):
-                    k = await body.readinto(dst[got[0] :])
-                    if k == 0:
-                        raise ConnectionResetError(f"the answer for {url} ended after {got[0]} of {len(dst)} bytes")
-                    got[0] += k
-            finally:
-                body.close()
+            if not out:
+                out.append(bytearray(int(resp["ContentLength"])))
+            await _read_body(resp["Body"], memoryview(out[0]), got, url)
 
         self._run(retry_async(self.retry, "reading", url, once))
         if not out[0] and offset:
@@ -227,19 +218,10 @@ class S3Objects:
                 if code == "InvalidRange":
                     _short(url, offset, len(dst), None)
                 raise
-            body = resp["Body"]
-            try:
-                want = end - start + 1
-                if int(resp.get("ContentLength", -1)) != want:
-                    _short(url, offset, len(dst), _total(resp))
-                while got[0] < len(dst):
-                    k = await body.readinto(dst[got[0] :])
-                    if k == 0:
-                        # the answer ended early: botocore raises here when it knew the length
-                        raise ConnectionResetError(f"the answer for {url} ended after {got[0]} of {len(dst)} bytes")
-                    got[0] += k
-            finally:
-                body.close()
+            if int(resp.get("ContentLength", -1)) != end - start + 1:
+                resp["Body"].close()
+                _short(url, offset, len(dst), _total(resp))
+            await _read_body(resp["Body"], dst, got, url)
 
         await retry_async(self.retry, "reading", url, once)
 
@@ -423,6 +405,20 @@ def _total(resp: Mapping[str, object]) -> int | None:
     except (IndexError, ValueError):
         return None
 
+
+
+async def _read_body(body: Any, dst: memoryview, got: list[int], url: str) -> None:
+    """Read an answer's body into ``dst`` from ``got[0]`` on, counting in ``got[0]`` (a
+    retry asks only for the rest); an answer that ends early is a reset connection
+    (botocore raises first where it knew the length). The body is closed either way."""
+    try:
+        while got[0] < len(dst):
+            k = await body.readinto(dst[got[0] :])
+            if k == 0:
+                raise ConnectionResetError(f"the answer for {url} ended after {got[0]} of {len(dst)} bytes")
+            got[0] += k
+    finally:
+        body.close()
 
 def _short(url: str, offset: int, length: int, size: int | None) -> NoReturn:
     has = f"the object has {size}" if size is not None else "the object is shorter"
