@@ -11,13 +11,15 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import UsageError
+
 __all__ = ["accumulation_steps", "epoch_order", "global_batch", "advance"]
 
 
 def _check_positive(**values: int) -> None:
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+            raise UsageError(f"{name} must be a positive int, got {v!r}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -67,7 +69,7 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
             + " or ".join(f"{w} (accumulation {global_batch_size // (micro_batch_size * w)})" for w in ws)
             + f" with micro_batch_size {micro_batch_size}"
         )
-    raise ValueError(
+    raise UsageError(
         f"global_batch_size {global_batch_size} is not divisible by micro_batch_size {micro_batch_size} "
         f"x world_size {world_size} = {per_step}, so the ranks cannot all run the same whole number of "
         f"micro-batches per step. Nearest valid settings: {'; '.join(hints)}."

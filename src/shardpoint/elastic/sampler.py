@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..collective import default_rank_and_world
-from ..errors import ShardpointError
+from ..errors import ShardpointError, UsageError
 from .batch import accumulation_steps, advance, epoch_order, global_batch
 
 __all__ = ["ElasticBatchSampler"]
@@ -96,11 +96,11 @@ class ElasticBatchSampler:
         # what the world size does not change is checked now; the rest once it is known
         accumulation_steps(global_batch_size, micro_batch_size, 1 if world_size is None else world_size)
         if isinstance(dataset_len, bool) or not isinstance(dataset_len, int) or dataset_len <= 0:
-            raise ValueError(f"dataset_len must be a positive int, got {dataset_len!r}")
+            raise UsageError(f"dataset_len must be a positive int, got {dataset_len!r}")
         if rank is not None and (rank < 0 or (world_size is not None and rank >= world_size)):
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+            raise UsageError(f"rank {rank} is outside world_size {world_size}; pass a rank in range(world_size)")
         if drop_last and dataset_len < global_batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"dataset_len {dataset_len} is smaller than global_batch_size {global_batch_size}, so with "
                 f"drop_last=True no step fits in an epoch; lower global_batch_size or pass drop_last=False"
             )
@@ -284,14 +284,14 @@ class ElasticBatchSampler:
         """
         version = int(state.get("version", _STATE_VERSION))
         if version > _STATE_VERSION:
-            raise ValueError(
+            raise UsageError(
                 f"sampler state version {version} is newer than this shardpoint understands "
                 f"({_STATE_VERSION}); upgrade shardpoint"
             )
         for name in ("dataset_len", "shuffle", "drop_last"):
             saved, mine = state[name], getattr(self, name)
             if saved != mine:
-                raise ValueError(
+                raise UsageError(
                     f"the checkpoint's data position was saved with {name}={saved!r} but this sampler has "
                     f"{name}={mine!r}; the position would point at other samples. Build the sampler with "
                     f"{name}={saved!r}, or do not restore the data position (exclude=['data'])"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UsageError
 
 __all__ = ["ALGORITHM", "SEAL_HEADER_LEN", "is_sealed", "seal", "unseal"]
 
@@ -46,7 +46,7 @@ def seal(body: bytes) -> bytes:
     them) with its seal inserted as the object's first member."""
     body = bytes(body)
     if not body.startswith(b"{") or body[1:].lstrip()[:1] in (b"}", b""):
-        raise ValueError("seal() takes the bytes of a non-empty JSON object starting with '{'")
+        raise UsageError("seal() takes the bytes of a non-empty JSON object starting with '{'; this is a bug in the caller")
     return _PREFIX + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
 
 

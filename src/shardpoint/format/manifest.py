@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NoReturn, TypeGuard
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedTypeError
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES
@@ -79,7 +79,7 @@ def encode_value(v: object) -> list[object]:
         return ["str", v]
     if isinstance(v, (bytes, bytearray)):
         return ["bytes", base64.b64encode(bytes(v)).decode()]
-    raise TypeError(type(v).__name__)
+    raise UnsupportedTypeError(f"{type(v).__name__} is not a plain value (None, bool, int, float, str or bytes)")
 
 
 def decode_value(e: Any, where: str = "value") -> PlainValue:  # Any: the manifest's JSON, checked here

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import Storage, check_name
+from ..format.names import check_name
+from .base import Storage
 from .local import LocalStorage
 
 __all__ = ["Storage", "LocalStorage", "check_name", "storage_for"]

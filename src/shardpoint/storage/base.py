@@ -18,16 +18,6 @@ from ..errors import CorruptCheckpointError
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
-def check_name(name: str) -> str:
-    """Return ``name`` if it is a safe relative file name, else raise."""
-    if not isinstance(name, str) or not _NAME.match(name) or any(p in (".", "..") for p in name.split("/")):
-        raise CorruptCheckpointError(
-            f"file name {name!r} in the manifest is not a plain relative name inside the checkpoint; "
-            "the manifest is damaged or hostile, refusing to open it"
-        )
-    return name
-
-
 class Storage(ABC):
     """A checkpoint location. Implementations: :class:`LocalStorage` (default)
     and :class:`FsspecStorage` (any fsspec URL, e.g. ``s3://``)."""

@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, TypeVar
 
 from ..errors import CorruptCheckpointError
-from .base import Storage, check_name
+from ..format.names import check_name
+from .base import Storage
 from .retry import Retry, retry_sync
 from .s3 import S3Objects
 

@@ -11,7 +11,8 @@ import uuid
 from collections.abc import Iterable
 
 from ..errors import CorruptCheckpointError, ShardpointError
-from .base import Storage, check_name
+from ..format.names import check_name
+from .base import Storage
 
 
 def _fsync_dir(path: str) -> None:
