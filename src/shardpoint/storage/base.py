@@ -18,6 +18,13 @@ from ..errors import CorruptCheckpointError
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
+def byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """``data`` as a flat view of unsigned bytes (a tensor's buffer may come as a
+    typed or shaped view), without a copy."""
+    view = memoryview(data)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
 class Storage(ABC):
     """A checkpoint location. Implementations: :class:`LocalStorage` (default)
     and :class:`FsspecStorage` (any fsspec URL, e.g. ``s3://``)."""

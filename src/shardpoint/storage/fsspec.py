@@ -33,7 +33,7 @@ from typing import Any, NoReturn, TypeVar
 
 from ..errors import CorruptCheckpointError
 from ..format.names import check_name
-from .base import Storage
+from .base import Storage, byte_view
 from .retry import Retry, retry_sync
 from .s3 import S3Objects
 
@@ -195,9 +195,7 @@ class FsspecStorage(Storage):
         total = 0
         try:
             for part in parts:
-                view = memoryview(part)
-                if view.ndim != 1 or view.format != "B":
-                    view = view.cast("B")
+                view = byte_view(part)
                 # Feed the buffered file up to each block boundary, so each part it
                 # uploads is one block and it never holds more than one block plus
                 # the slice being written (a multi-GiB tensor is not copied whole).
@@ -304,7 +302,7 @@ class FsspecStorage(Storage):
             raise CorruptCheckpointError(
                 f"negative offset {offset} asked of {self._where(name)}; the manifest is damaged"
             )
-        view = buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
+        view = byte_view(buf)
         s3.read_into(*self._key(self._path(name)), self._where(name), offset, view)
 
     def _short(self, name: str, offset: int, length: int, size: int | None) -> NoReturn:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.names import check_name
-from .base import Storage
+from .base import Storage, byte_view
 
 
 def _fsync_dir(path: str) -> None:
@@ -94,7 +94,7 @@ class LocalStorage(Storage):
         total = 0
         try:
             for part in parts:
-                view = memoryview(part).cast("B")
+                view = byte_view(part)
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]

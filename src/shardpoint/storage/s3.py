@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, NoReturn, Protocol, TypeVar
 
 from ..errors import CorruptCheckpointError
+from .base import byte_view
 from .retry import ObjectStoreError, Retry, error_code, retry_async, transient
 
 #: S3's smallest part (all but the last).
@@ -107,9 +108,7 @@ class S3Objects:
         filled = total = 0
         try:
             for part in parts:
-                view = memoryview(part)
-                if view.ndim != 1 or view.format != "B":
-                    view = view.cast("B")
+                view = byte_view(part)
                 while view:
                     n = min(block - filled, len(view))
                     if len(buf) >= filled + n:
