@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -81,12 +81,8 @@ class TreeLoad:
         """Keys and shapes, before anything is modified."""
         r = self.report
         for key, node in self.walk.leaves.items():
-            if not self.select(key):
-                r.skipped.append(key)
-                continue
-            e = self.tree.entries.get(key)
+            e = self._entry(key)
             if e is None:
-                r.missing.append(key)
                 continue
             if node.kind == "tensor":
                 if e["kind"] != "tensor":
@@ -103,13 +99,8 @@ class TreeLoad:
                         "first (module.to_empty(device=...)) and then load"
                     )
         for key in self.walk.per_rank:
-            if not self.select(key):
-                r.skipped.append(key)
-                continue
-            e = self.tree.entries.get(key)
-            if e is None:
-                r.missing.append(key)
-            elif e["kind"] != "per_rank":
+            e = self._entry(key)
+            if e is not None and e["kind"] != "per_rank":
                 raise KeyMismatchError(
                     f"key {key!r} is a PerRank value in the local state but a {e['kind']} in the checkpoint; "
                     "wrap it (or not) in shardpoint.PerRank the way it was saved, or leave it out with exclude="
@@ -122,6 +113,17 @@ class TreeLoad:
                 f"{len(r.missing)} key(s) of the local state are not in the checkpoint: {sorted(r.missing)[:20]}; "
                 "pass strict=False to leave them as they are, or exclude=[...] to skip them"
             )
+
+    def _entry(self, key: str) -> dict[str, Any] | None:
+        """The checkpoint's entry for local ``key``, or None, recorded in the report as
+        skipped (left out by the selection) or missing (not in the checkpoint)."""
+        if not self.select(key):
+            self.report.skipped.append(key)
+            return None
+        e = self.tree.entries.get(key)
+        if e is None:
+            self.report.missing.append(key)
+        return e
 
     def plan(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
         """Collect the reads of local tensors; decide what to create."""
