@@ -22,6 +22,7 @@ from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
 from .config import job_folder
+from .hosts import FETCHED, REPLICAS, needed
 
 _STEP = re.compile(r"^step-(\d+)$")
 JOB_FILE = "job.json"
@@ -169,11 +170,27 @@ class JobArea:
                     return None
         return Snapshot(step, st.url, man)
 
+    def sealed(self) -> list[int]:
+        """The steps whose manifest this host holds (sealed, readable), oldest first:
+        the snapshots this host keeps, whether it holds all of their files or not
+        (over several hosts each holds its own ranks' files and replicas of others')."""
+        if not self.owned():
+            return []
+        out = []
+        for step in self.steps():
+            try:
+                read_manifest(self.storage(step))
+            except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+                continue
+            out.append(step)
+        return out
+
     def free(self, keep: int, protect: set[int]) -> list[int]:
-        """Remove all but the newest ``keep`` complete snapshots (never a step in
-        ``protect``: one being drained) and torn folders older than the newest
-        complete one. Returns the steps removed."""
-        done = [s.step for s in self.complete()]
+        """Remove all but the newest ``keep`` sealed snapshots (never a step in
+        ``protect``: one being drained) and torn folders older than the newest sealed
+        one. Replicas live in their step's folder, so ``keep`` bounds them too. Returns
+        the steps removed."""
+        done = self.sealed()
         kept = set(done[-keep:]) if keep > 0 else set()
         newest = done[-1] if done else None
         gone = []
@@ -184,6 +201,73 @@ class JobArea:
                 self.remove(step)
                 gone.append(step)
         return gone
+
+    def inventory(self) -> dict[str, dict[str, Any]]:
+        """What this host holds, for the restore ladder over hosts: step (a string) ->
+        ``save_id``, ``healthy``, ``nonfinite``, ``manifest`` (its size), ``need`` (the
+        files the manifest names, with their sizes) and ``sha`` (the indexes' SHA-256),
+        all None/empty without a manifest, and ``have``: every file present in the step
+        folder, its ``replicas/`` and ``fetched/``, as ``[size, relpath]`` (the step
+        folder's own copy preferred). Temporary (half-written) files are never listed."""
+        out: dict[str, dict[str, Any]] = {}
+        if not self.owned():
+            return out
+        for step in self.steps():
+            st = self.storage(step)
+            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "manifest": None,
+                                     "need": None, "sha": {}, "have": {}}
+            try:
+                man = read_manifest(st)
+                entry.update(save_id=man.save_id, healthy=not man.nonfinite, nonfinite=list(man.nonfinite or []),
+                             manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
+                             need=needed(man.files),
+                             sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()
+                                  if isinstance(f.get("index"), dict)})
+            except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+                pass
+            for rel in (FETCHED, REPLICAS, ""):
+                folder = os.path.join(st.inner.root, rel)
+                try:
+                    names = os.listdir(folder)
+                except OSError:
+                    continue
+                for n in names:
+                    path = os.path.join(folder, n)
+                    if n.startswith(".") or n == MANIFEST_NAME or not os.path.isfile(path):
+                        continue
+                    try:
+                        entry["have"][n] = [os.path.getsize(path), f"{rel}/{n}" if rel else n]
+                    except OSError:
+                        continue
+            out[str(step)] = entry
+        return out
+
+    def place(self, step: int, names: Iterable[str]) -> None:
+        """Make every file of ``names`` present in the step folder itself (where a load
+        reads it): a replica or a fetched copy is hard-linked there (no bytes copied)."""
+        root = os.path.join(self.dir, step_dir(step))
+        for n in names:
+            here = os.path.join(root, n)
+            if os.path.exists(here):
+                continue
+            for rel in (REPLICAS, FETCHED):
+                there = os.path.join(root, rel, n)
+                if os.path.exists(there):
+                    os.link(there, here)
+                    break
+
+    def origin(self, step: int, name: str) -> str:
+        """Where the bytes of file ``name`` of snapshot ``step`` on this host came from:
+        ``"replica"`` (copied here by replication), ``"fetched"`` (from another host, by
+        a restore) or ``"own"`` (written on this host by the save)."""
+        root = os.path.join(self.dir, step_dir(step))
+        for rel, what in ((REPLICAS, "replica"), (FETCHED, "fetched")):
+            try:
+                if os.path.samefile(os.path.join(root, rel, name), os.path.join(root, name)):
+                    return what
+            except OSError:
+                continue
+        return "own"
 
     def remove(self, step: int) -> None:
         """Remove a snapshot, manifest first (a half-removed folder is never complete)."""
