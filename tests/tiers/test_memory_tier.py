@@ -56,8 +56,9 @@ def tier(shm: Path, **kw: object) -> MemoryTier:
 
 
 def test_knobs_are_checked() -> None:
-    with pytest.raises(UsageError, match="replicating snapshots to other hosts is not built yet"):
-        MemoryTier(durable_every=5, replicas=1)
+    with pytest.raises(UsageError, match="replicas=-1"):
+        MemoryTier(durable_every=5, replicas=-1)
+    assert MemoryTier(durable_every=5, replicas=2).replicas == 2  # clamped to the other hosts' number at open
     with pytest.raises(UsageError, match="durable_every"):
         MemoryTier()
     with pytest.raises(UsageError, match="keep=0"):

@@ -118,6 +118,7 @@ class Tiers:
         self._replicating: threading.Thread | None = None
         self._pending: _Pending | None = None
         self._part: DrainResult | None = None  # this host's part of the pending drain, once ended
+        self._created = False
 
     def _comm(self) -> Comm:
         return Comm(self.process_group, self.timeout)
@@ -127,10 +128,12 @@ class Tiers:
         """The job folder's name: the same on every host (its base may differ)."""
         return os.path.basename(self.area.dir)
 
-    def _open(self, comm: Comm) -> Hosts:
-        """Once per manager, collective: the hosts (by host name), the job folder on
-        each, and the side lane that carries files between hosts."""
+    def _open(self, comm: Comm, *, create: bool = True) -> Hosts:
+        """Once per manager, collective: the hosts (by host name), the side lane that
+        carries files between hosts, and (``create``) the job folder on each host."""
         if self.hosts is not None:
+            if create and not self._created:
+                self._create(comm)
             return self.hosts
         comm.arrive("tiers-open", self._name)
         hosts = Hosts.of(comm.all_gather_json(socket.gethostname()))
@@ -139,16 +142,22 @@ class Tiers:
             warnings.warn(f"shardpoint: MemoryTier(replicas={self.tier.replicas}) on {len(hosts)} host(s) "
                           f"{list(hosts.names)}: a replica never lands on its own host, so {self.replicas} "
                           "cop(ies) per rank are made. Lower replicas= to silence this", stacklevel=4)
+        if len(hosts) > 1:
+            comm.open_side()
+        self.hosts = hosts
+        if create:
+            self._create(comm)
+        return hosts
+
+    def _create(self, comm: Comm) -> None:
+        """The job folder on every host (collective)."""
         error: BaseException | None = None
         try:
             self.area.open()
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
             error = e
         agree(comm, None, error)
-        if len(hosts) > 1:
-            comm.open_side()
-        self.hosts = hosts
-        return hosts
+        self._created = True
 
     def _leader(self, comm: Comm) -> bool:
         assert self.hosts is not None
@@ -355,7 +364,7 @@ class Tiers:
         root."""
         comm = self._comm()
         comm.arrive("tiers-restore", self._name)
-        hosts = self._open(comm)
+        hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
         leader = self._leader(comm)
         got = comm.gather_json(self.area.inventory() if leader else None)
         plan = None
@@ -375,6 +384,8 @@ class Tiers:
             storage = self.area.storage(cand.step)
             error: BaseException | None = None
             try:
+                if any(int(m[4]) in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
+                    self.area.open()  # this host receives files: its job folder (any rank may make it)
                 problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
                 if problems:
                     error = ShardpointError("; ".join(problems))
@@ -422,7 +433,7 @@ class Tiers:
         """After a restore from the root (collective): every host drops the snapshots
         newer than ``step`` (all of them when nothing was restored)."""
         comm = self._comm()
-        self._open(comm)
+        self._open(comm, create=False)
         if self._leader(comm):
             for s in self.area.steps():
                 if step is None or s > step:
