@@ -107,6 +107,10 @@ class _Channel(_Background):
         #: The side lane: point-to-point file transfers of the memory tier (replicas),
         #: run from a background thread; made only by :meth:`Comm.open_side`.
         self.side: ProcessGroup | None = None
+        #: The newest thread started by :meth:`Comm.start_side` (each waits for the one
+        #: before it, so the side lane's transfers run in the order they were started,
+        #: the same on every rank).
+        self.side_thread: threading.Thread | None = None
         self.background: threading.Thread | None = None
         self.closing = False
         #: An arrival kept for the next call (``Comm.arrive(..., hold=True)``): its
@@ -461,18 +465,41 @@ class Comm:
                 ch.side = self._td.new_group(ranks=ch.ranks, backend="gloo", timeout=GROUP_TIMEOUT,
                                              use_local_synchronization=True)
 
+    def start_side(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Run ``target`` (which calls :meth:`exchange` with ``background=True``) in a
+        thread once every side-lane thread started before it on this group ended: the
+        transfers of several managers (or snapshots) never interleave, and run in the
+        order they were started, which is the same on every rank."""
+        ch = self.channel
+        prev = ch.side_thread if ch is not None else None
+
+        def run() -> None:
+            if prev is not None:
+                prev.join()
+            target()
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        if ch is not None:
+            ch.side_thread = t
+        t.start()
+        return t
+
     def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
-                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+                 recvs: Sequence[tuple[int, int, torch.Tensor]], *, background: bool = False) -> None:
         """Point-to-point transfers on the side lane (made by :meth:`open_side`): each
         ``(peer, tag, tensor)`` of ``sends`` goes to that rank of the group, each of
         ``recvs`` is filled from it; a send and its receive carry the same tag. All are
         posted at once, then waited for (in short slices, so an exiting process is not
-        stuck in gloo). Any thread may call it; raises :class:`ShardpointError` naming
-        the peers when a transfer fails (a peer died)."""
+        stuck in gloo). From the caller's thread it first waits for the side lane's
+        background transfers (:meth:`start_side`, whose targets pass ``background``).
+        Raises :class:`ShardpointError` naming the peers when a transfer fails (a peer
+        died)."""
         if self.store is None or (not sends and not recvs):
             return
         ch = self.channel
         assert ch is not None and ch.side is not None, "open_side() first, on every rank"
+        if not background and ch.side_thread is not None:
+            ch.side_thread.join()  # the transfers started in the background first, as on every rank
         td, group = self._td, ch.side
         closed = "the process is exiting: shardpoint's checkpoint transfers are closed"
         peers = sorted({p for p, _, _ in sends} | {p for p, _, _ in recvs})

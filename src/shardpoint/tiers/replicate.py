@@ -135,12 +135,13 @@ class _In:
         self.tmp = ""
 
 
-def transfer(comm: Comm, folder: str, moves: Sequence[Sequence[Any]]) -> list[str]:
+def transfer(comm: Comm, folder: str, moves: Sequence[Sequence[Any]], *, background: bool = False) -> list[str]:
     """Run this rank's part of ``moves`` (every rank calls it with the same list);
     ``folder`` is this host's step folder. Returns what went wrong with the moves this
     rank took part in (a file its sender could not read, no space to receive one), as
     messages naming the file; a move that went wrong leaves nothing behind. Raises
-    :class:`ShardpointError` when a peer is gone (every temporary file removed)."""
+    :class:`ShardpointError` when a peer is gone (every temporary file removed).
+    ``background``: called from a thread of :meth:`Comm.start_side`."""
     me = comm.rank
     tags = tags_of(moves)
     outs: list[_Out] = []
@@ -166,7 +167,7 @@ def transfer(comm: Comm, folder: str, moves: Sequence[Sequence[Any]]) -> list[st
                 ins.append((got, head, f"{name} from rank {src}"))
                 recvs.append((src, tag, head))
                 recvs.extend((src, tag + 1 + i, got.block(off, n)) for i, (off, n) in enumerate(_blocks(size)))
-        comm.exchange(sends, recvs)
+        comm.exchange(sends, recvs, background=background)
         sends.clear()
         recvs.clear()
         for got, head, what in ins:

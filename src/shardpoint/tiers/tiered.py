@@ -230,15 +230,13 @@ class Tiers:
         for others, in a background thread on the side lane."""
         def run() -> None:
             try:
-                problems = transfer(comm, folder, moves)
+                problems = transfer(comm, folder, moves, background=True)
             except ShardpointError as e:
                 problems = [str(e)]
             self.replication[step] = problems
 
         self.replication[step] = ["still running"]
-        t = threading.Thread(target=run, name="shardpoint-replicate", daemon=True)
-        self._replicating = t
-        t.start()
+        self._replicating = comm.start_side(run, "shardpoint-replicate")
 
     def _join_replication(self) -> None:
         """Wait for the replication in flight; warn about what it could not do."""
