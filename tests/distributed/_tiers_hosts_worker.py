@@ -61,7 +61,7 @@ def train_step(m: Any, opt: Any, sched: Any, i: int, rank: int, world: int) -> f
 
 
 def as_bytes(values: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return {k: hashlib.sha256(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in values.items()}
 
 

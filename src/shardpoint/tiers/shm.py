@@ -35,8 +35,10 @@ class PrivateStorage(Delegating):
 
     inner: LocalStorage
 
-    def __init__(self, inner: LocalStorage) -> None:
+    def __init__(self, inner: LocalStorage, url: str | None = None) -> None:
         super().__init__(inner)
+        if url is not None:
+            self.url = url
 
     def _private(self, name: str) -> None:
         path = os.path.join(self.inner.root, name)
@@ -127,7 +129,16 @@ class JobArea:
             return False
 
     def storage(self, step: int) -> PrivateStorage:
-        return PrivateStorage(LocalStorage(os.path.join(self.dir, step_dir(step))))
+        """The snapshot folder of ``step`` on this host. Its ``url`` names it the same
+        on every host (``memory://job-<digest>/step-<8 digits>``: the base folder may
+        differ between hosts, and a collective save or load checks that every rank
+        names one path); ``.inner.root`` is the folder itself."""
+        return PrivateStorage(LocalStorage(os.path.join(self.dir, step_dir(step))),
+                              url=f"memory://{os.path.basename(self.dir)}/{step_dir(step)}")
+
+    def path(self, step: int) -> str:
+        """The snapshot folder of ``step`` on this host."""
+        return os.path.join(self.dir, step_dir(step))
 
     def steps(self) -> list[int]:
         """Every step folder present (complete or not), oldest first."""
@@ -168,7 +179,7 @@ class JobArea:
                         return None
                 except OSError:
                     return None
-        return Snapshot(step, st.url, man)
+        return Snapshot(step, st.inner.root, man)
 
     def sealed(self) -> list[int]:
         """The steps whose manifest this host holds (sealed, readable), oldest first:

@@ -273,7 +273,7 @@ class Tiers:
             self.drainer.start(self._job(step, parts[h], commit=False, save_id=save_id))
 
     def _job(self, step: int, files: list[list[Any]] | None, *, commit: bool, save_id: str | None = None) -> DrainJob:
-        return DrainJob(step=step, src=self.area.storage(step).url, root=self.root, folder=self.folder(step),
+        return DrainJob(step=step, src=self.area.path(step), root=self.root, folder=self.folder(step),
                         pointer=self.pointer(step), storage_options=self.storage_options, files=files,
                         commit=commit, save_id=save_id)
 
@@ -412,7 +412,7 @@ class Tiers:
             report.step = cand.step
             pieces = {n: self.area.origin(cand.step, n) for n in sorted(reading.names) if n != MANIFEST_NAME}
             self._after_memory_restore(comm, cand.step, c.get("redrain"))
-            return TieredLoadReport.of(report, "memory", storage.url, pieces)
+            return TieredLoadReport.of(report, "memory", storage.inner.root, pieces)
         return None
 
     def _after_memory_restore(self, comm: Comm, step: int, redrain: list[Any] | None) -> None:
