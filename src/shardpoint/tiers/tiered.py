@@ -182,6 +182,8 @@ class Tiers:
         leader = self._leader(comm)
         if leader:  # the memory bound: room for the new snapshot first (replicas included)
             draining = {self.drainer.job.step} if self.drainer.job is not None else set()
+            if self._pending is not None:  # its commit reads the manifest here
+                draining.add(self._pending.step)
             self.area.free(self.tier.keep - 1, draining)
             if step not in draining:
                 self.area.remove(step)  # a leftover of an abandoned run of this step
