@@ -233,8 +233,8 @@ class Tiers:
         def run() -> None:
             try:
                 problems = transfer(comm, folder, moves, background=True)
-            except ShardpointError as e:
-                problems = [str(e)]
+            except Exception as e:  # noqa: BLE001 - reported by the next snapshot, wait() or restore
+                problems = [f"{type(e).__name__}: {e}"]
             self.replication[step] = problems
 
         self.replication[step] = ["still running"]
