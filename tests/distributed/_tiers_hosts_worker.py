@@ -1,19 +1,21 @@
 """One rank of the memory tier's two-host tests (tests/distributed/test_tiers_hosts.py),
 started by torchrun inside a network namespace whose host name is its own.
 
-    python -m tests.distributed._tiers_hosts_worker train OUT BASE ROOT_R1 ROOT_R0
-    python -m tests.distributed._tiers_hosts_worker resume OUT BASE ROOT_R1 ROOT_R0
+    python -m tests.distributed._tiers_hosts_worker train OUT BASE ROOT_R1 ROOT_R0 ROOT_DIRECT
+    python -m tests.distributed._tiers_hosts_worker resume OUT BASE ROOT_R1 ROOT_R0 NAME
     python -m tests.distributed._tiers_hosts_worker crash OUT BASE ROOT STEPS
 
 ``train`` (2 hosts x 2 ranks): FSDP2 + AdamW, one model saved to two managers each
 step (a snapshot every step, durable every 5; one with ``replicas=1`` under ROOT_R1,
-one with ``replicas=0`` under ROOT_R0); after step 7 it waits for replication and
+one with ``replicas=0`` under ROOT_R0), and step 5 also saved directly (no memory
+tier) under ROOT_DIRECT; after step 7 it waits for replication and
 drains, records the state of steps 5 and 7, trains on to step 10 without saving
 (the uninterrupted run's losses), writes ``ready-<rank>`` and sleeps until killed.
 
-``resume`` (host A alone, 2 ranks): each manager restores into a fresh model; writes
-the step, tier and pieces of each, whether the state is byte-equal to the recorded
-one, and the losses of the steps after it up to 10 (the global batch of 8 kept).
+``resume`` (any hosts and ranks): each manager restores into a fresh model; writes
+(``NAME-<rank>.json``) the step, tier and pieces of each, whether the state is
+byte-equal to the recorded one, and the losses of the steps after it up to 10 (the
+global batch of 8 kept).
 
 ``crash``: restores (when there is something), checks what it restored against the
 records, then trains and snapshots (``replicas=1``) up to STEPS, recording each step.
@@ -65,7 +67,7 @@ def as_bytes(values: dict[str, torch.Tensor]) -> dict[str, str]:
             for k, v in values.items()}
 
 
-def train(out: str, base: str, root1: str, root0: str) -> None:
+def train(out: str, base: str, root1: str, root0: str, direct: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     m, opt, sched = build(0, world)
     mgrs = [shardpoint.CheckpointManager(root, keep_last=2, memory=tier(base, r), timeout=120)
@@ -76,6 +78,9 @@ def train(out: str, base: str, root1: str, root0: str) -> None:
         if i <= 7:
             for mgr in mgrs:
                 mgr.save(shardpoint.TrainState(model=m, optimizer=opt, scheduler=sched, step=i), i)
+        if i == 5:  # the durable checkpoint drained over two hosts against a direct save
+            shardpoint.CheckpointManager(direct, timeout=120).save(
+                shardpoint.TrainState(model=m, optimizer=opt, scheduler=sched, step=i), i)
         if i in (5, 7):
             states[i] = as_bytes(snapshot(m, opt))
         if i == 7:
@@ -90,12 +95,12 @@ def train(out: str, base: str, root1: str, root0: str) -> None:
         time.sleep(1)
 
 
-def resume(out: str, base: str, root1: str, root0: str) -> None:
+def resume(out: str, base: str, root1: str, root0: str, name: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(out, "train.json")) as f:
         ref = json.load(f)
     result: dict[str, Any] = {"rank": rank, "host": socket.gethostname()}
-    for name, root, r in (("r1", root1, 1), ("r0", root0, 0)):
+    for which, root, r in (("r1", root1, 1), ("r0", root0, 0)):
         m, opt, sched = build(1, world)
         state = shardpoint.TrainState(model=m, optimizer=opt, scheduler=sched, step=0)
         report = shardpoint.CheckpointManager(root, keep_last=2, memory=tier(base, r), timeout=120).restore(state)
@@ -104,10 +109,10 @@ def resume(out: str, base: str, root1: str, root0: str) -> None:
         got = as_bytes(snapshot(m, opt))
         want = ref["states"].get(str(step), {})
         losses = {i: train_step(m, opt, sched, i, rank, world) for i in range(step + 1, LAST + 1)}
-        result[name] = {"step": step, "tier": report.tier, "pieces": report.pieces,  # type: ignore[attr-defined]
+        result[which] = {"step": step, "tier": report.tier, "pieces": report.pieces,  # type: ignore[attr-defined]
                         "equal": got == want, "differ": sorted(k for k in want if got.get(k) != want[k]),
                         "losses": losses}
-    with open(os.path.join(out, f"resume-{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"{name}-{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
@@ -152,9 +157,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     if mode == "train":
-        train(out, base, sys.argv[4], sys.argv[5])
+        train(out, base, *sys.argv[4:7])
     elif mode == "resume":
-        resume(out, base, sys.argv[4], sys.argv[5])
+        resume(out, base, *sys.argv[4:7])
     else:
         crash(out, base, sys.argv[4], int(sys.argv[5]))
     dist.destroy_process_group()

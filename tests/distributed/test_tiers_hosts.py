@@ -75,11 +75,16 @@ def test_host_loss_restores_from_replicas_or_durable(tmp_path: Path) -> None:
     each), lose host B (SIGKILL, memory wiped), restart on host A with 2 ranks:
     replicas=1 restores step 7 from memory (A's own files and its replicas of B's),
     replicas=0 step 5 from the durable root; both byte-equal to the run at that
-    step, and the losses after it equal the uninterrupted run's (global batch kept)."""
+    step, and the losses after it equal the uninterrupted run's (global batch kept).
+    Then host B comes back empty and the job restarts on both: B's ranks load step 7
+    from files fetched from A. The durable step 5, drained by both hosts, equals a
+    direct save of the same state byte for byte."""
+    from tests.tiers.test_memory_tier import _normalised
+
     env = _env()
     out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-hosts-{uuid.uuid4().hex[:8]}"
     out.mkdir()
-    root1, root0 = tmp_path / "r1", tmp_path / "r0"
+    root1, root0, direct = tmp_path / "r1", tmp_path / "r0", tmp_path / "direct"
     tag = uuid.uuid4().hex[:6]
     names = {"a": f"spa{tag}", "b": f"spb{tag}"}
     job = f"tiers-{tag}"  # the launcher's run id: the same across the restart, as a launcher keeps it
@@ -87,7 +92,7 @@ def test_host_loss_restores_from_replicas_or_durable(tmp_path: Path) -> None:
     try:
         with two_hosts() as ns:
             logs = [tmp_path / f"train-{h}.log" for h in ("a", "b")]
-            procs = [_node(ns[h], h, names[h], 2, 29500, job, ["train", *argv], env, log)
+            procs = [_node(ns[h], h, names[h], 2, 29500, job, ["train", *argv, str(direct)], env, log)
                      for h, log in zip(("a", "b"), logs)]
             try:
                 _wait_for([out / f"ready-{r}" for r in range(4)], procs, logs, "the two-host training")
@@ -102,9 +107,22 @@ def test_host_loss_restores_from_replicas_or_durable(tmp_path: Path) -> None:
                         os.killpg(p.pid, signal.SIGKILL)
                     p.wait(timeout=30)
             log = tmp_path / "resume.log"
-            _finish([_node(ns["a"], "a", names["a"], 1, 29501, job, ["resume", *argv], env, log)], [log],
+            _finish([_node(ns["a"], "a", names["a"], 1, 29501, job, ["resume", *argv, "resume"], env, log)], [log],
                     "the restart on host A")
+            logs = [tmp_path / f"back-{h}.log" for h in ("a", "b")]
+            _finish([_node(ns[h], h, names[h], 2, 29502, job, ["resume", *argv, "back"], env, log)
+                     for h, log in zip(("a", "b"), logs)], logs, "the restart on both hosts, B empty")
         ref = json.loads((out / "train.json").read_text())
+        for r in range(4):  # host B back, empty: its ranks read what was fetched from host A
+            got = json.loads((out / f"back-{r}.json").read_text())
+            r1 = got["r1"]
+            assert (r1["step"], r1["tier"], r1["equal"]) == (7, "memory", True), r1
+            want = {"own", "replica"} if got["host"] == names["a"] else {"fetched"}
+            assert set(r1["pieces"].values()) == want, (got["host"], r1["pieces"])
+            for i, loss in r1["losses"].items():
+                assert abs(loss - ref["losses"][i]) <= 1e-4 * abs(ref["losses"][i]), (i, loss)
+        assert _normalised(root1 / "step-00000005") == _normalised(direct / "step-00000005")
+        assert _normalised(root0 / "step-00000005") == _normalised(direct / "step-00000005")
         for r in range(2):
             got = json.loads((out / f"resume-{r}.json").read_text())
             assert got["host"] == names["a"]

@@ -382,21 +382,8 @@ class Tiers:
         for c in comm.broadcast_json(plan):
             cand = Candidate.from_wire(c)
             storage = self.area.storage(cand.step)
-            error: BaseException | None = None
             try:
-                if any(int(m[4]) in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
-                    self.area.open()  # this host receives files: its job folder (any rank may make it)
-                problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
-                if problems:
-                    error = ShardpointError("; ".join(problems))
-                elif leader:
-                    self.area.place(cand.step, needed(read_manifest(storage).files))
-            except CollectiveMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001 - fanned out to every rank
-                error = e
-            try:
-                agree(comm, None, error)
+                self._gather(comm, cand, storage, leader)
             except CollectiveMismatchError:
                 raise
             except ShardpointError as e:
@@ -416,6 +403,32 @@ class Tiers:
             self._after_memory_restore(comm, cand.step, c.get("redrain"))
             return TieredLoadReport.of(report, "memory", storage.inner.root, pieces)
         return None
+
+    def _gather(self, comm: Comm, cand: Candidate, storage: PrivateStorage, leader: bool) -> None:
+        """Give every present host every file of ``cand`` (collective): the fetches, then
+        (once every rank's are in) each host's first rank links replicas and fetched
+        files into the step folder, where the load reads them. Raises on every rank
+        when a rank failed."""
+        hosts = self.hosts
+        assert hosts is not None
+        error: BaseException | None = None
+        try:
+            if any(int(m[4]) in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
+                self.area.open()  # this host receives files: its job folder (any rank may make it)
+            problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
+            if problems:
+                error = ShardpointError("; ".join(problems))
+        except CollectiveMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fanned out to every rank
+            error = e
+        agree(comm, None, error)
+        try:
+            if leader:
+                self.area.place(cand.step, needed(read_manifest(storage).files))
+        except Exception as e:  # noqa: BLE001 - fanned out to every rank
+            error = e
+        agree(comm, None, error)
 
     def _after_memory_restore(self, comm: Comm, step: int, redrain: list[Any] | None) -> None:
         """Snapshots newer than the restored one belong to an abandoned future and go
