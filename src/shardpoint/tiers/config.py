@@ -27,7 +27,8 @@ class MemoryTier:
     durable_every: int | None = None
     """Make every K-th step durable (drained from its snapshot to the root). Required."""
     keep: int = 2
-    """Snapshots kept per host (older ones are freed before a new one is written)."""
+    """Snapshots kept per host (older ones are freed before a new one is written); the
+    replicas a host holds for other hosts' ranks are in the same snapshots, so they count."""
     replicas: int = 0
     """Copies of each rank's snapshot files on other hosts (never its own), made in the
     background after each snapshot; more than the other hosts there are is clamped, with

@@ -59,6 +59,7 @@ class DrainJob:
     save_id: str | None = None
 
     def wire(self) -> str:
+        """One JSON line for the helper process."""
         d = asdict(self)
         d["pointer"] = base64.b64encode(self.pointer).decode()
         return json.dumps(d)

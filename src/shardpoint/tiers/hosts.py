@@ -57,6 +57,8 @@ class Hosts:
         return self.ranks[h][0]
 
     def is_leader(self, rank: int) -> bool:
+        """Whether ``rank`` acts for its host (writes the manifest there, drains its
+        part, reports its inventory)."""
         return self.leader(self.of_rank[rank]) == rank
 
     def targets(self, rank: int, replicas: int) -> list[int]:
@@ -123,10 +125,12 @@ class Candidate:
     fetch: list[list[Any]]
 
     def wire(self) -> dict[str, Any]:
+        """As JSON (rank 0 sends the plan to every rank)."""
         return {"step": self.step, "save_id": self.save_id, "fetch": self.fetch}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> Candidate:
+        """Back from :meth:`wire`."""
         return Candidate(int(d["step"]), str(d["save_id"]), list(d["fetch"]))
 
 
