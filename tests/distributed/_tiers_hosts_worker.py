@@ -18,7 +18,8 @@ byte-equal to the recorded one, and the losses of the steps after it up to 10 (t
 global batch of 8 kept).
 
 ``crash``: restores (when there is something), checks what it restored against the
-records, then trains and snapshots (``replicas=1``) up to STEPS, recording each step.
+records, then trains and snapshots (``replicas=1``) up to STEPS (``+N``: N steps
+past the restored one), recording each step.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def resume(out: str, base: str, root1: str, root0: str, name: str) -> None:
         json.dump(result, f)
 
 
-def crash(out: str, base: str, root: str, steps: int) -> None:
+def crash(out: str, base: str, root: str, until: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     m, opt, sched = build(0, world)
     ballast = torch.zeros(1 << 20)
@@ -137,6 +138,7 @@ def crash(out: str, base: str, root: str, steps: int) -> None:
     elif rank == 0:
         with open(os.path.join(out, f"restored-{time.monotonic_ns()}.json"), "w") as f:
             json.dump({"step": None, "tier": None, "equal": True}, f)
+    steps = start + int(until[1:]) if until.startswith("+") else int(until)  # "+N": N steps after the restored one
     for i in range(start + 1, steps + 1):
         train_step(m, opt, sched, i, rank, world)
         ballast.fill_(float(i))
@@ -161,7 +163,7 @@ def main() -> None:
     elif mode == "resume":
         resume(out, base, *sys.argv[4:7])
     else:
-        crash(out, base, sys.argv[4], int(sys.argv[5]))
+        crash(out, base, sys.argv[4], sys.argv[5])
     dist.destroy_process_group()
 
 
