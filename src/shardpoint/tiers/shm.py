@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from .hosts import FETCHED, REPLICAS, needed
 
 _STEP = re.compile(r"^step-(\d+)$")
 JOB_FILE = "job.json"
+#: Folders of freed snapshots whose bytes are being removed (``JobArea.free``).
+_FREEING = ".freeing-"
 
 
 class PrivateStorage(Delegating):
@@ -94,6 +97,8 @@ class JobArea:
     def __init__(self, base: str, identity: str) -> None:
         self.base, self.identity = base, identity
         self.dir = os.path.join(base, job_folder(identity))
+        #: The thread removing freed snapshots (``free(..., background=True)``).
+        self._freeing: threading.Thread | None = None
 
     def open(self) -> None:
         """Create the job's folder (0700) and its identity file, or check them. Any rank
@@ -196,22 +201,72 @@ class JobArea:
             out.append(step)
         return out
 
-    def free(self, keep: int, protect: set[int]) -> list[int]:
+    def free(self, keep: int, protect: set[int], *, background: bool = False) -> list[int]:
         """Remove all but the newest ``keep`` sealed snapshots (never a step in
         ``protect``: one being drained) and torn folders older than the newest sealed
         one. Replicas live in their step's folder, so ``keep`` bounds them too. Returns
-        the steps removed."""
+        the steps removed.
+
+        ``background``: each removed snapshot loses its manifest (it is no longer a
+        snapshot) and its folder is renamed out of the way at once; its bytes are
+        freed by a thread, beside the next snapshot's staging copy. Only when the
+        shared memory has room for one more snapshot of the newest one's size besides
+        them: else they are freed before this returns, so the memory bound holds."""
+        self.settle()
         done = self.sealed()
         kept = set(done[-keep:]) if keep > 0 else set()
         newest = done[-1] if done else None
-        gone = []
-        for step in self.steps():
-            if step in kept or step in protect:
-                continue
-            if step in done or (newest is not None and step < newest):
-                self.remove(step)
-                gone.append(step)
+        gone = [step for step in self.steps()
+                if step not in kept and step not in protect and (step in done or (newest is not None and step < newest))]
+        if background and gone and newest is not None and self._room() >= self._bytes(newest):
+            trash = []
+            for step in gone:
+                path = os.path.join(self.dir, step_dir(step))
+                try:
+                    os.unlink(os.path.join(path, MANIFEST_NAME))
+                except OSError:
+                    pass
+                spare = os.path.join(self.dir, f"{_FREEING}{step}-{os.getpid()}")
+                try:
+                    os.rename(path, spare)
+                    trash.append(spare)
+                except OSError:
+                    self.remove(step)
+            self._freeing = threading.Thread(target=_remove_all, args=(trash,), name="shardpoint-free", daemon=True)
+            self._freeing.start()
+            return gone
+        for step in gone:
+            self.remove(step)
         return gone
+
+    def settle(self) -> None:
+        """Wait for the snapshots being freed in the background; remove what a process
+        that died while freeing left behind."""
+        t, self._freeing = self._freeing, None
+        if t is not None:
+            t.join()
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        _remove_all([os.path.join(self.dir, n) for n in names if n.startswith(_FREEING)])
+
+    def _room(self) -> int:
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def _bytes(self, step: int) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(os.path.join(self.dir, step_dir(step))):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    continue
+        return total
 
     def inventory(self) -> dict[str, dict[str, Any]]:
         """What this host holds, for the restore ladder over hosts: step (a string) ->
@@ -287,6 +342,11 @@ class JobArea:
             os.unlink(os.path.join(path, MANIFEST_NAME))
         except OSError:
             pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -37,6 +37,7 @@ from ..collective import Comm, agree
 from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..load.locate import read_manifest
+from ..saving.handle import SaveHandle, settle_in_flight
 from ..saving.pipeline import save_state
 from ..saving.records import SaveOptions
 from ..storage.base import Delegating
@@ -118,6 +119,8 @@ class Tiers:
         self._replicating: threading.Thread | None = None
         self._pending: _Pending | None = None
         self._part: DrainResult | None = None  # this host's part of the pending drain, once ended
+        #: The snapshot whose write and commit run in the background: its step and handle.
+        self._snapshot: tuple[int, SaveHandle] | None = None
         self._created = False
 
     def _comm(self) -> Comm:
@@ -170,12 +173,15 @@ class Tiers:
         directly to the root instead (due for durability, but its snapshot did not
         fit in shared memory)."""
         comm = self._comm()
+        # the previous snapshot is committed and shared first: its commit runs on the
+        # channel in the background, and nothing else may use the channel meanwhile
+        self._finish_snapshot(comm)
         self._settle(comm, wait=False)
         snap, dur = self.tier.due(step)
         dur = dur or durable
         if not (snap or dur):
             return True
-        hosts = self._open(comm)
+        self._open(comm)
         self._join_replication()  # the previous snapshot's replicas are in before a new one starts
         if dur:
             self._settle(comm, wait=True)  # one drain at a time
@@ -184,30 +190,72 @@ class Tiers:
             draining = {self.drainer.job.step} if self.drainer.job is not None else set()
             if self._pending is not None:  # its commit reads the manifest here
                 draining.add(self._pending.step)
-            self.area.free(self.tier.keep - 1, draining)
+            self.area.free(self.tier.keep - 1, draining, background=True)  # its bytes beside the staging copy
             if step not in draining:
                 self.area.remove(step)  # a leftover of an abandoned run of this step
         storage = self.area.storage(step)
+        options = SaveOptions(overwrite=True, metrics=metrics)
         try:
-            save_state(comm, storage, state, SaveOptions(overwrite=True, metrics=metrics), blocking=True)
+            # A step due only for memory returns once its state is copied (staged); the
+            # write to shared memory and the commit go on in the background, and the
+            # manifest's sharing and the replicas follow at the next collective point
+            # (_finish_snapshot). A step due for durability is written before save
+            # returns: if it does not fit, this very state is saved to the root instead.
+            handle = save_state(comm, storage, state, options, blocking=dur)
         except ShardpointError as e:
-            if not no_space(e):
+            if not self._skip(comm, step, e, dur):
                 raise
-            if leader:
-                self.area.remove(step)
-            self.skipped.append(step)
-            warnings.warn(f"shardpoint: memory snapshot of step {step} skipped: shared memory under {self.area.dir} "
-                          f"is full ({e}). Training goes on; "
-                          + ("the step is saved directly to the durable root." if dur else
-                             "give MemoryTier(path=...) more room or lower keep="), stacklevel=3)
             return not dur
-        man = self._share_manifest(comm, step, storage, leader)
+        if handle is not None:
+            self._snapshot = (step, handle)
+            return True
+        self._after_commit(comm, step, storage, dur)
+        return True
+
+    def _skip(self, comm: Comm, step: int, e: ShardpointError, dur: bool) -> bool:
+        """A snapshot that failed for want of room in shared memory is skipped, with a
+        warning (True); any other failure is the caller's to raise (False)."""
+        if not no_space(e):
+            return False
+        if self._leader(comm):
+            self.area.remove(step)
+        self.skipped.append(step)
+        warnings.warn(f"shardpoint: memory snapshot of step {step} skipped: shared memory under {self.area.dir} "
+                      f"is full ({e}). Training goes on; "
+                      + ("the step is saved directly to the durable root." if dur else
+                         "give MemoryTier(path=...) more room or lower keep="), stacklevel=4)
+        return True
+
+    def _after_commit(self, comm: Comm, step: int, storage: PrivateStorage, dur: bool) -> None:
+        """A committed snapshot: its manifest to every host, its replicas started, and
+        (``dur``) its drain started. Collective."""
+        assert self.hosts is not None
+        man = self._share_manifest(comm, step, storage, self._leader(comm))
         saver = rank_files(man.files)
         if self.replicas > 0:
-            self._replicate(comm, step, storage.inner.root, replica_plan(hosts, saver, self.replicas))
+            self._replicate(comm, step, storage.inner.root, replica_plan(self.hosts, saver, self.replicas))
         if dur:
-            self._drain_parts(comm, step, man.save_id, drain_parts(hosts, saver), whole=True)
-        return True
+            self._drain_parts(comm, step, man.save_id, drain_parts(self.hosts, saver), whole=True)
+
+    def _finish_snapshot(self, comm: Comm) -> None:
+        """Wait for the snapshot still writing in the background (every rank learns the
+        same outcome), then share and replicate it. Collective; called at the next
+        snapshot, :meth:`wait` and before a restore, after any save still writing in
+        the background has ended: the channel is then free for this manager's
+        collectives. Full shared memory skips it with a warning, as for a blocking
+        snapshot."""
+        settle_in_flight()  # any save writing in the background (this manager's or another's) is off the channel
+        pending, self._snapshot = self._snapshot, None
+        if pending is None:
+            return
+        step, handle = pending
+        try:
+            handle.wait()
+        except ShardpointError as e:
+            if not self._skip(comm, step, e, False):
+                raise
+            return
+        self._after_commit(comm, step, self.area.storage(step), False)
 
     def _share_manifest(self, comm: Comm, step: int, storage: PrivateStorage, leader: bool) -> Manifest:
         """Rank 0 sends the committed snapshot's sealed manifest to every rank; the first
@@ -336,6 +384,7 @@ class Tiers:
     def wait(self) -> None:
         """Wait for the replication and the drain in flight (and run retention after
         a commit). Collective when a drain spread over hosts is pending."""
+        self._finish_snapshot(self._comm())
         self._join_replication()
         self._settle(self._comm(), wait=True)
         if self._comm().rank == 0:
@@ -344,6 +393,7 @@ class Tiers:
     def close(self) -> None:
         self.wait()
         self.drainer.close()
+        self.area.settle()
 
     # -- restore ---------------------------------------------------------------------
     @contextmanager
