@@ -1,10 +1,12 @@
 """The memory tier of a CheckpointManager: snapshot, replication, drain, and the
 restore ladder, on one host or several.
 
-* ``save``: a step due for the tier is saved (the core's save pipeline, blocking)
-  to each host's job folder in shared memory: each rank writes its file on its own
-  host, rank 0 the manifest on its host; then rank 0 sends the sealed manifest to
-  every host (one rank per host writes it). With ``replicas``, each rank's files are
+* ``save``: a step due for the tier is saved (the core's save pipeline) to each
+  host's job folder in shared memory: each rank writes its file on its own host,
+  rank 0 the manifest on its host; then rank 0 sends the sealed manifest to every
+  host (one rank per host writes it). A step due only for memory returns once its
+  state is staged: its write and commit run in the background, and the manifest's
+  sharing and replicas follow at the next collective point (``_finish_snapshot``). With ``replicas``, each rank's files are
   then copied to other hosts by a background thread over the channel's side lane
   (the next snapshot waits for it). A step due for durability is drained by each
   host's first rank (its ranks' files, in its helper process); rank 0 commits the
