@@ -7,6 +7,11 @@
    per-step overhead of a real training loop is).
 3. Restore time from memory vs from local disk (the disk's files were just written:
    they are read from the page cache, so this is a floor for the disk).
+4. ``--hosts``: two "hosts" on this machine (two processes, each in a UTS namespace
+   of its own with its own host name, needs root; gloo over loopback), one rank
+   each: the snapshot's stall with ``replicas=1`` (replication in the background)
+   vs ``replicas=0``, how long the write, commit and replication run after the stall, and the bytes
+   each rank received per snapshot (= its peer's state x replicas).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/tiers_bench.py --size-mb 256
 
@@ -15,8 +20,10 @@ Prints a markdown table of medians and ratios; nothing gates on a time."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -30,12 +37,21 @@ from shardpoint.tiers import MemoryTier
 from shardpoint.tiers.drain import Drainer, DrainJob
 
 
-def timed(fn: Callable[[], object], repeat: int) -> float:
+def timed(fn: Callable[[], object], repeat: int, after: Callable[[], object] | None = None,
+          tails: list[float] | None = None) -> float:
+    """Median time of ``fn``; ``after`` runs untimed after each call (its times go to
+    ``tails``): the rest of the work a call left running in the background, which a
+    training step would overlap."""
     out = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
+        if after is not None:
+            t = time.perf_counter()
+            after()
+            if tails is not None:
+                tails.append(time.perf_counter() - t)
     return statistics.median(out)
 
 
@@ -64,11 +80,102 @@ def steps_during(drainer: Drainer | None, job: DrainJob | None, step: Callable[[
     return statistics.mean(times), len(times)
 
 
+def _host_rank(rank: int, port: int, shm: str, work: str, size_mb: int, repeat: int, out: object) -> None:
+    """One "host" of section 4: its own host name (a UTS namespace), one gloo rank."""
+    import torch.distributed as dist
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x04000000) != 0:  # CLONE_NEWUTS
+        out.put((rank, "unavailable", f"unshare(CLONE_NEWUTS): errno {ctypes.get_errno()} (needs root)"))  # type: ignore[attr-defined]
+        return
+    socket.sethostname(f"bench-host-{rank}")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo")
+    try:
+        out.put((rank, "ok", _replicate_rows(rank, shm, work, size_mb, repeat)))  # type: ignore[attr-defined]
+    except BaseException as e:
+        out.put((rank, "unavailable", f"rank {rank} failed: {type(e).__name__}: {e}"))  # type: ignore[attr-defined]
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _replicate_rows(rank: int, shm: str, work: str, size_mb: int, repeat: int) -> dict[int, tuple[float, float, int]]:
+    import torch.distributed as dist
+
+    from shardpoint.runtime import PROCESS
+
+    n = size_mb * (1 << 20) // 4 // 8
+    state = {f"rank{rank}/layer{i}": torch.randn(n) for i in range(8)}  # each rank's own keys: its own file
+    res = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for replicas in (0, 1):
+            tier = MemoryTier(every=1, durable_every=10**9, keep=2, replicas=replicas,
+                              path=os.path.join(shm, socket.gethostname()))
+            mgr = CheckpointManager(os.path.join(work, f"r{replicas}"), memory=tier)
+            stalls, tails, got = [], [], []
+            for i in range(repeat + 1):
+                dist.barrier()
+                before = PROCESS.seams.traffic.received
+                t = time.perf_counter()
+                mgr.save(state, i + 1)
+                stall = time.perf_counter() - t
+                mgr.wait()  # the snapshot's write and commit, then its replication (in the background)
+                tail = time.perf_counter() - t - stall
+                if i:  # the first one sets up the job folder and the side lane
+                    stalls.append(stall)
+                    tails.append(tail)
+                    got.append(PROCESS.seams.traffic.received - before)
+            res[replicas] = (statistics.median(stalls), statistics.median(tails), int(statistics.median(got)))
+            mgr.wait()
+    return res
+
+
+def host_rows(size_mb: int, repeat: int) -> list[tuple[str, float, str]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    work = tempfile.mkdtemp(prefix="tiers-bench-hosts-")
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="tiers-bench-hosts-")
+    procs = [ctx.Process(target=_host_rank, args=(r, port, shm, work, size_mb, repeat, q)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = [q.get(timeout=900) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    bad = [g for g in got if g[1] != "ok"]
+    if bad:
+        print(f"section 4 skipped: {bad[0][2]}")
+        return []
+    res = dict((g[0], g[2]) for g in got)[0]
+    (s0, _, b0), (s1, tail1, b1) = res[0], res[1]
+    state = size_mb * (1 << 20)
+    return [("2 hosts: snapshot stall, replicas=0", s0, "1x"),
+            ("2 hosts: snapshot stall, replicas=1", s1, f"{s1 / s0:.2f}x of replicas=0 (replication in the background)"),
+            ("2 hosts: write, commit, replication after the stall", tail1, f"{state / max(tail1, 1e-9) / 1e9:.2f} GB/s over loopback"),
+            ("2 hosts: bytes received per snapshot, replicas=1", float(b1),
+             f"{b1 / state:.3f}x the peer's state (replicas=0: {b0} bytes of collectives)")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="durable root's parent (default: a temporary folder on disk)")
+    ap.add_argument("--hosts", action="store_true", help="also section 4: replication between two hosts (needs root)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     n = args.size_mb * (1 << 20) // 4 // 8
@@ -82,9 +189,12 @@ def main() -> None:
         mem = CheckpointManager(os.path.join(work, "tiered"), memory=tier)
         dur = CheckpointManager(os.path.join(work, "direct"), keep_last=1)
         step_no = iter(range(1, 10**6))
-        t_mem = timed(lambda: mem.save(state, next(step_no)), args.repeat)
+        mem_tails: list[float] = []
+        t_mem = timed(lambda: mem.save(state, next(step_no)), args.repeat, after=mem.wait, tails=mem_tails)
         t_dur = timed(lambda: dur.save(state, next(step_no)), args.repeat)
         rows += [("stall: memory snapshot", t_mem, f"{t_mem / t_dur:.3f}x of durable (goal <= 0.2x)"),
+                 ("snapshot's write and commit after the stall", statistics.median(mem_tails),
+                  "in the background: a step at least this long hides it"),
                  ("stall: blocking durable save", t_dur, "1x")]
         # 2. a training step beside a drain
         area = mem._tiers.area  # type: ignore[union-attr]
@@ -122,10 +232,13 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    print(f"\nstate: {args.size_mb} MB (8 fp32 tensors), medians of {args.repeat}; one process\n")
+    if args.hosts:
+        rows += host_rows(args.size_mb, args.repeat)
+    print(f"\nstate: {args.size_mb} MB (8 fp32 tensors) per rank, medians of {args.repeat}; one process "
+          "(section 4: two)\n")
     print("| what | seconds | ratio |\n|---|---:|---|")
     for name, t, ratio in rows:
-        print(f"| {name} | {t:.4f} | {ratio} |")
+        print(f"| {name} | {t:.0f} | {ratio} |" if name.startswith("2 hosts: bytes") else f"| {name} | {t:.4f} | {ratio} |")
 
 
 if __name__ == "__main__":

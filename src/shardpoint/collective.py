@@ -104,6 +104,13 @@ class _Channel(_Background):
         self.seq = 0
         self.data: ProcessGroup | None = None
         self.ctl: ProcessGroup | None = None
+        #: The side lane: point-to-point file transfers of the memory tier (replicas),
+        #: run from a background thread; made only by :meth:`Comm.open_side`.
+        self.side: ProcessGroup | None = None
+        #: The newest thread started by :meth:`Comm.start_side` (each waits for the one
+        #: before it, so the side lane's transfers run in the order they were started,
+        #: the same on every rank).
+        self.side_thread: threading.Thread | None = None
         self.background: threading.Thread | None = None
         self.closing = False
         #: An arrival kept for the next call (``Comm.arrive(..., hold=True)``): its
@@ -137,13 +144,13 @@ class _Channel(_Background):
         """Destroy both lanes now, on the caller's thread, while the interpreter is
         whole (their gloo threads are joined here rather than in the destructors
         that run while the process exits). Only when no thread uses them."""
-        for g in (self.data, self.ctl):
+        for g in (self.data, self.ctl, self.side):
             if g is not None:
                 try:
                     self.dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001 - already destroyed with the default group
                     pass
-        self.data = self.ctl = None
+        self.data = self.ctl = self.side = None
 
 
 class _Arrival(TypedDict):
@@ -443,6 +450,76 @@ class Comm:
         (self.channel or _solo()).background = t
         t.start()
         return t
+
+    def open_side(self) -> None:
+        """Make the side lane (a gloo group of this group's ranks, of its own) if it is
+        not made yet. Collective: call it on the caller's thread where every rank is.
+        Its transfers (:meth:`exchange`) never interleave with the data lane's
+        collectives, so a background thread may run them while saves and loads go on."""
+        if self.channel is None:
+            return
+        ch = self.channel
+        ch.open()
+        with PROCESS.channel_lock:
+            if ch.side is None:
+                ch.side = self._td.new_group(ranks=ch.ranks, backend="gloo", timeout=GROUP_TIMEOUT,
+                                             use_local_synchronization=True)
+
+    def start_side(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Run ``target`` (which calls :meth:`exchange` with ``background=True``) in a
+        thread once every side-lane thread started before it on this group ended: the
+        transfers of several managers (or snapshots) never interleave, and run in the
+        order they were started, which is the same on every rank."""
+        ch = self.channel
+        prev = ch.side_thread if ch is not None else None
+
+        def run() -> None:
+            if prev is not None:
+                prev.join()
+            target()
+
+        t = threading.Thread(target=run, name=name, daemon=False)
+        if ch is not None:
+            ch.side_thread = t
+        t.start()
+        return t
+
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]], *, background: bool = False) -> None:
+        """Point-to-point transfers on the side lane (made by :meth:`open_side`): each
+        ``(peer, tag, tensor)`` of ``sends`` goes to that rank of the group, each of
+        ``recvs`` is filled from it; a send and its receive carry the same tag. All are
+        posted at once, then waited for (within the lane's timeout,
+        ``SHARDPOINT_GROUP_TIMEOUT``). From the caller's thread it first waits for the side lane's
+        background transfers (:meth:`start_side`, whose targets pass ``background``).
+        Raises :class:`ShardpointError` naming the peers when a transfer fails (a peer
+        died)."""
+        if self.store is None or (not sends and not recvs):
+            return
+        ch = self.channel
+        assert ch is not None and ch.side is not None, "open_side() first, on every rank"
+        if not background and ch.side_thread is not None:
+            ch.side_thread.join()  # the transfers started in the background first, as on every rank
+        td, group = self._td, ch.side
+        closed = "the process is exiting: shardpoint's checkpoint transfers are closed"
+        peers = sorted({p for p, _, _ in sends} | {p for p, _, _ in recvs})
+        try:
+            works = [td.irecv(t, src=self.ranks[p], group=group, tag=tag) for p, tag, t in recvs]
+            works += [td.isend(t, dst=self.ranks[p], group=group, tag=tag) for p, tag, t in sends]
+            for w in works:
+                # a plain wait: gloo closes a point-to-point pair whose wait times out, so
+                # no short slices here (the thread is not a daemon: an exit waits for it)
+                if ch.closing:
+                    raise ShardpointError(closed)
+                w.wait()
+        except ShardpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - RuntimeError, DistError: a peer's connection closed
+            raise ShardpointError(
+                f"rank {self.rank}: a transfer with ranks {peers} of the group failed ({type(e).__name__}: "
+                f"{str(e).strip()[:300]}); one of them died or hangs. What it carried is not counted (see its "
+                "logs; a restart restores from what every present host holds)") from e
+        PROCESS.seams.traffic.add(sum(t.numel() * t.element_size() for _, _, t in recvs))
 
     @property
     def _td(self) -> ModuleType:

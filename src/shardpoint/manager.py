@@ -307,7 +307,9 @@ class CheckpointManager:
         return handle
 
     def wait(self) -> None:
-        """Wait for an asynchronous save to commit (re-raising its error)."""
+        """Wait for an asynchronous save to commit (re-raising its error). With a memory
+        tier: wait for the snapshot's replication and the drain in flight too (then
+        collective: call it on every rank, before the process group is torn down)."""
         h, self._pending = self._pending, None
         session, self._session = self._session, None
         if h is not None:
@@ -528,9 +530,9 @@ class CheckpointManager:
         return self._tiers.save(state, step, metrics=metrics, durable=self._preempt.is_set())
 
     def _tiers_restore(self, state: Any, step: int | None, **kw: Any) -> TieredLoadReport | None:
-        """The restore ladder: the newest complete memory snapshot every rank sees, if at
-        least as new as the durable resume point; else the durable restore as without a
-        memory tier. An explicit ``step`` is loaded from the root."""
+        """The restore ladder: the newest memory snapshot the present hosts hold in full
+        between them, if at least as new as the durable resume point; else the durable
+        restore as without a memory tier. An explicit ``step`` is loaded from the root."""
         assert self._tiers is not None
         self._tiers.wait()
         if step is None:
@@ -544,9 +546,7 @@ class CheckpointManager:
                 return got
         with self._tiers.bypassed():
             report = self.restore(state, step, **kw)
-        rank = Comm(self.process_group, self.timeout).rank
-        self._tiers.after_restore(rank, report.step if report is not None else None,
-                                  report.step if report is not None else None)
+        self._tiers.after_durable_restore(report.step if report is not None else None)
         if report is None:
             return None
         return TieredLoadReport.of(report, "durable", self.storage.child(self.step_dir(report.step or 0)).url)

@@ -56,8 +56,9 @@ def tier(shm: Path, **kw: object) -> MemoryTier:
 
 
 def test_knobs_are_checked() -> None:
-    with pytest.raises(UsageError, match="replicating snapshots to other hosts is not built yet"):
-        MemoryTier(durable_every=5, replicas=1)
+    with pytest.raises(UsageError, match="replicas=-1"):
+        MemoryTier(durable_every=5, replicas=-1)
+    assert MemoryTier(durable_every=5, replicas=2).replicas == 2  # clamped to the other hosts' number at open
     with pytest.raises(UsageError, match="durable_every"):
         MemoryTier()
     with pytest.raises(UsageError, match="keep=0"):
@@ -249,3 +250,23 @@ def test_ranks_opening_the_job_folder_at_once_all_see_it_as_theirs() -> None:
             assert sorted(os.listdir(os.path.join(base, os.listdir(base)[0]))) == ["job.json"]
         finally:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def test_old_snapshots_are_freed_in_the_background_with_room(tmp_path: Path, shm: Path) -> None:
+    """With room in shared memory, a freed snapshot loses its manifest and leaves its
+    step folder at once; its bytes go in a thread (the training process does not wait
+    for the unlinks), and nothing of it is left once that thread is done."""
+    mgr = CheckpointManager(tmp_path / "root", memory=tier(shm, durable_every=100))
+    train(mgr, range(1, 4))
+    area = mgr._tiers.area  # type: ignore[union-attr]
+    mgr.save(state(4.0), 4)
+    assert area._freeing is not None  # step 2 went in the background
+    assert 2 not in area.steps()
+    area.settle()
+    mgr.wait()
+    assert area.steps() == [3, 4]
+    assert not [n for n in os.listdir(area.dir) if n.startswith(".freeing-")]
+    # a process that died while freeing leaves a renamed folder: the next free removes it
+    os.makedirs(os.path.join(area.dir, ".freeing-3-1"))
+    area.free(2, set())
+    assert not [n for n in os.listdir(area.dir) if n.startswith(".freeing-")]

@@ -16,9 +16,10 @@ DRAIN_MODES = ("process", "thread")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryTier:
     """A memory tier for :class:`~shardpoint.CheckpointManager`: steps due only for it
-    are saved to node-local shared memory (a process crash loses nothing, a lost host
-    loses them); every ``durable_every``-th step is also written to the manager's root,
-    copied from its snapshot by a helper process. What survives what and what it costs:
+    are saved to node-local shared memory (a process crash loses nothing; a lost host
+    loses its own copy, which ``replicas`` copies on other hosts make up for); every
+    ``durable_every``-th step is also written to the manager's root, copied from its
+    snapshot by a helper process on each host. What survives what and what it costs:
     docs/tiers.md."""
 
     every: int = 1
@@ -26,9 +27,12 @@ class MemoryTier:
     durable_every: int | None = None
     """Make every K-th step durable (drained from its snapshot to the root). Required."""
     keep: int = 2
-    """Snapshots kept per host (older ones are freed before a new one is written)."""
+    """Snapshots kept per host (older ones are freed before a new one is written); the
+    replicas a host holds for other hosts' ranks are in the same snapshots, so they count."""
     replicas: int = 0
-    """Copies of each snapshot on other hosts. Only 0 for now: replication is the next slice."""
+    """Copies of each rank's snapshot files on other hosts (never its own), made in the
+    background after each snapshot; more than the other hosts there are is clamped, with
+    a warning, to their number."""
     path: str = DEFAULT_PATH
     """Base directory of the snapshots (node-local, e.g. under /dev/shm); each job has a 0700 folder in it."""
     job: str | None = None
@@ -44,11 +48,9 @@ class MemoryTier:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"MemoryTier({name}={v!r}): must be a positive number of steps/snapshots")
-        if self.replicas != 0:
-            raise UsageError(
-                f"MemoryTier(replicas={self.replicas!r}): replicating snapshots to other hosts is not built yet "
-                "(issue 23, next slice); use replicas=0: snapshots then survive a process crash, not the loss of "
-                "their host, whose steps only the durable tier keeps")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise UsageError(f"MemoryTier(replicas={self.replicas!r}): the number of copies on other hosts is a "
+                             "whole number >= 0 (0: none; a snapshot then does not survive the loss of its host)")
         if not isinstance(self.path, str) or not os.path.isabs(self.path):
             raise UsageError(f"MemoryTier(path={self.path!r}): give an absolute directory on node-local memory, "
                              f"e.g. {DEFAULT_PATH!r}")

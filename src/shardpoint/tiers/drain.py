@@ -27,6 +27,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..load.locate import read_manifest
 from ..storage import Storage, storage_for
 from ..storage.local import LocalStorage
+from .hosts import needed
 
 BLOCK = 8 << 20
 LATEST = "latest"
@@ -39,7 +40,13 @@ class DrainAborted(ShardpointError):
 @dataclass(frozen=True, slots=True)
 class DrainJob:
     """One step to make durable: its snapshot folder, the durable root and folder, and
-    the bytes ``latest`` gets once it is committed."""
+    the bytes ``latest`` gets once it is committed.
+
+    ``files``: None copies every file the snapshot's manifest names from the snapshot
+    folder; else only these file specs ``[relpath, name, size, sha256 or None]`` (this
+    host's part of a snapshot spread over hosts). ``commit``: write the manifest and
+    ``latest`` once the files are there (with ``files`` given, only after checking that
+    every file the manifest names is in the durable folder at its size)."""
 
     step: int
     src: str
@@ -47,8 +54,12 @@ class DrainJob:
     folder: str
     pointer: bytes
     storage_options: dict[str, Any] | None = None
+    files: list[list[Any]] | None = None
+    commit: bool = True
+    save_id: str | None = None
 
     def wire(self) -> str:
+        """One JSON line for the helper process."""
         d = asdict(self)
         d["pointer"] = base64.b64encode(self.pointer).decode()
         return json.dumps(d)
@@ -80,12 +91,13 @@ def _blocks(src: Storage, name: str, size: int, alive: Callable[[], bool], h: An
         yield memoryview(b)
 
 
-def _copy(src: Storage, dst: Storage, name: str, size: int, alive: Callable[[], bool], sha256: str | None = None) -> None:
+def _copy(src: Storage, dst: Storage, name: str, size: int, alive: Callable[[], bool], sha256: str | None = None,
+          rel: str | None = None) -> None:
     h = hashlib.sha256() if sha256 is not None else None
-    n = dst.write_file(name, _blocks(src, name, size, alive, h))
+    n = dst.write_file(name, _blocks(src, rel or name, size, alive, h))
     if n != size or (h is not None and h.hexdigest() != sha256):
         dst.remove(name)
-        raise CorruptCheckpointError(f"memory snapshot file {src.url}/{name} changed while it was drained "
+        raise CorruptCheckpointError(f"memory snapshot file {src.url}/{rel or name} changed while it was drained "
                                      f"({n} bytes, {size} expected, or its SHA-256 differs from its manifest's); "
                                      "the durable checkpoint was not committed")
 
@@ -94,12 +106,23 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
     """Copy the snapshot at ``job.src`` to ``job.root/job.folder``: data files and
     their indexes (each fsynced, each index checked against the manifest's SHA-256),
     then the manifest, then ``latest``. A checkpoint already in that folder is replaced
-    as a direct save with ``overwrite`` replaces it (its files go after the commit)."""
+    as a direct save with ``overwrite`` replaces it (its files go after the commit).
+    With ``job.files``, only those files are copied (each host its part), and with
+    ``job.commit`` the manifest is written only once every file it names is there."""
     src = LocalStorage(job.src)
-    man_bytes = bytes(src.read(MANIFEST_NAME))
-    man = read_manifest(src)  # the seal is checked: a torn snapshot is never drained
     root = storage_for(job.root, job.storage_options)
     dst = root.child(job.folder)
+    if job.files is not None and not job.commit:  # one host's part: no manifest needed here
+        try:
+            if job.save_id is not None and read_manifest(dst).save_id == job.save_id:
+                return  # committed before (a restart re-drains): its files stay as they are
+        except ShardpointError:
+            pass
+        for rel, name, size, sha in job.files:
+            _copy(src, dst, str(name), int(size), alive, sha, str(rel))
+        return
+    man_bytes = bytes(src.read(MANIFEST_NAME))
+    man = read_manifest(src)  # the seal is checked: a torn snapshot is never drained
     old: list[str] = []
     if dst.exists(MANIFEST_NAME):
         try:
@@ -110,11 +133,24 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
             old = prev.stored_files()
         except ShardpointError:
             old = []
-    for name, entry in man.files.items():
-        _copy(src, dst, name, int(entry["size"]), alive)
-        idx: Any = entry.get("index")
-        if isinstance(idx, dict):
-            _copy(src, dst, str(idx["name"]), int(idx["size"]), alive, str(idx["sha256"]))
+    if job.files is None:
+        for name, entry in man.files.items():
+            _copy(src, dst, name, int(entry["size"]), alive)
+            idx: Any = entry.get("index")
+            if isinstance(idx, dict):
+                _copy(src, dst, str(idx["name"]), int(idx["size"]), alive, str(idx["sha256"]))
+    else:
+        for rel, name, size, sha in job.files:
+            _copy(src, dst, str(name), int(size), alive, sha, str(rel))
+        for name, size in needed(man.files).items():  # the other hosts' parts: never commit a partial checkpoint
+            try:
+                got = dst.size(name)
+            except (OSError, ShardpointError):
+                got = -1
+            if got != size:
+                raise CorruptCheckpointError(
+                    f"drain of step {job.step}: {dst.url}/{name} is missing or has {got} bytes, {size} expected (the "
+                    "host that drains it failed); the durable checkpoint was not committed")
     if not alive():
         raise DrainAborted(f"drain of step {job.step} stopped before its commit: the training process is gone")
     dst.write_atomic(MANIFEST_NAME, man_bytes)

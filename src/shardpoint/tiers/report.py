@@ -3,7 +3,7 @@ the bytes came from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from ..report import LoadReport
 
@@ -14,16 +14,23 @@ class TieredLoadReport(LoadReport):
     manager has a memory tier.
 
     Attributes:
-        tier: ``"memory"`` (a snapshot in this host's shared memory) or ``"durable"``
+        tier: ``"memory"`` (a snapshot in the hosts' shared memory) or ``"durable"``
             (the manager's root).
-        source: the location the bytes were read from.
+        source: the location this rank read from (its host's snapshot folder, or the
+            durable step folder).
+        pieces: (memory) each checkpoint file this rank read, with where its bytes
+            came from on this rank's host: ``"own"`` (written there by the save),
+            ``"replica"`` (a copy replication put there for a rank of another host) or
+            ``"fetched"`` (copied from another host's memory by this restore). Empty
+            for a durable restore: every byte came from the root.
     """
 
     tier: str = "durable"
     source: str = ""
+    pieces: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
-    def of(report: LoadReport, tier: str, source: str) -> TieredLoadReport:
-        """``report`` with its tier and source."""
+    def of(report: LoadReport, tier: str, source: str, pieces: dict[str, str] | None = None) -> TieredLoadReport:
+        """``report`` with its tier, source and pieces."""
         return TieredLoadReport(**{f.name: getattr(report, f.name) for f in fields(LoadReport)}, tier=tier,
-                                source=source)
+                                source=source, pieces=dict(pieces or {}))

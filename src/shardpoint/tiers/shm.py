@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,12 @@ from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
 from .config import job_folder
+from .hosts import FETCHED, REPLICAS, needed
 
 _STEP = re.compile(r"^step-(\d+)$")
 JOB_FILE = "job.json"
+#: Folders of freed snapshots whose bytes are being removed (``JobArea.free``).
+_FREEING = ".freeing-"
 
 
 class PrivateStorage(Delegating):
@@ -34,8 +38,10 @@ class PrivateStorage(Delegating):
 
     inner: LocalStorage
 
-    def __init__(self, inner: LocalStorage) -> None:
+    def __init__(self, inner: LocalStorage, url: str | None = None) -> None:
         super().__init__(inner)
+        if url is not None:
+            self.url = url
 
     def _private(self, name: str) -> None:
         path = os.path.join(self.inner.root, name)
@@ -91,6 +97,8 @@ class JobArea:
     def __init__(self, base: str, identity: str) -> None:
         self.base, self.identity = base, identity
         self.dir = os.path.join(base, job_folder(identity))
+        #: The thread removing freed snapshots (``free(..., background=True)``).
+        self._freeing: threading.Thread | None = None
 
     def open(self) -> None:
         """Create the job's folder (0700) and its identity file, or check them. Any rank
@@ -126,7 +134,16 @@ class JobArea:
             return False
 
     def storage(self, step: int) -> PrivateStorage:
-        return PrivateStorage(LocalStorage(os.path.join(self.dir, step_dir(step))))
+        """The snapshot folder of ``step`` on this host. Its ``url`` names it the same
+        on every host (``memory://job-<digest>/step-<8 digits>``: the base folder may
+        differ between hosts, and a collective save or load checks that every rank
+        names one path); ``.inner.root`` is the folder itself."""
+        return PrivateStorage(LocalStorage(os.path.join(self.dir, step_dir(step))),
+                              url=f"memory://{os.path.basename(self.dir)}/{step_dir(step)}")
+
+    def path(self, step: int) -> str:
+        """The snapshot folder of ``step`` on this host."""
+        return os.path.join(self.dir, step_dir(step))
 
     def steps(self) -> list[int]:
         """Every step folder present (complete or not), oldest first."""
@@ -167,23 +184,156 @@ class JobArea:
                         return None
                 except OSError:
                     return None
-        return Snapshot(step, st.url, man)
+        return Snapshot(step, st.inner.root, man)
 
-    def free(self, keep: int, protect: set[int]) -> list[int]:
-        """Remove all but the newest ``keep`` complete snapshots (never a step in
-        ``protect``: one being drained) and torn folders older than the newest
-        complete one. Returns the steps removed."""
-        done = [s.step for s in self.complete()]
+    def sealed(self) -> list[int]:
+        """The steps whose manifest this host holds (sealed, readable), oldest first:
+        the snapshots this host keeps, whether it holds all of their files or not
+        (over several hosts each holds its own ranks' files and replicas of others')."""
+        if not self.owned():
+            return []
+        out = []
+        for step in self.steps():
+            try:
+                read_manifest(self.storage(step))
+            except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+                continue
+            out.append(step)
+        return out
+
+    def free(self, keep: int, protect: set[int], *, background: bool = False) -> list[int]:
+        """Remove all but the newest ``keep`` sealed snapshots (never a step in
+        ``protect``: one being drained) and torn folders older than the newest sealed
+        one. Replicas live in their step's folder, so ``keep`` bounds them too. Returns
+        the steps removed.
+
+        ``background``: each removed snapshot loses its manifest (it is no longer a
+        snapshot) and its folder is renamed out of the way at once; its bytes are
+        freed by a thread, beside the next snapshot's staging copy. Only when the
+        shared memory has room for one more snapshot of the newest one's size besides
+        them: else they are freed before this returns, so the memory bound holds."""
+        self.settle()
+        done = self.sealed()
         kept = set(done[-keep:]) if keep > 0 else set()
         newest = done[-1] if done else None
-        gone = []
-        for step in self.steps():
-            if step in kept or step in protect:
-                continue
-            if step in done or (newest is not None and step < newest):
-                self.remove(step)
-                gone.append(step)
+        gone = [step for step in self.steps()
+                if step not in kept and step not in protect and (step in done or (newest is not None and step < newest))]
+        if background and gone and newest is not None and self._room() >= self._bytes(newest):
+            trash = []
+            for step in gone:
+                path = os.path.join(self.dir, step_dir(step))
+                try:
+                    os.unlink(os.path.join(path, MANIFEST_NAME))
+                except OSError:
+                    pass
+                spare = os.path.join(self.dir, f"{_FREEING}{step}-{os.getpid()}")
+                try:
+                    os.rename(path, spare)
+                    trash.append(spare)
+                except OSError:
+                    self.remove(step)
+            self._freeing = threading.Thread(target=_remove_all, args=(trash,), name="shardpoint-free", daemon=True)
+            self._freeing.start()
+            return gone
+        for step in gone:
+            self.remove(step)
         return gone
+
+    def settle(self) -> None:
+        """Wait for the snapshots being freed in the background; remove what a process
+        that died while freeing left behind."""
+        t, self._freeing = self._freeing, None
+        if t is not None:
+            t.join()
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        _remove_all([os.path.join(self.dir, n) for n in names if n.startswith(_FREEING)])
+
+    def _room(self) -> int:
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def _bytes(self, step: int) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(os.path.join(self.dir, step_dir(step))):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    continue
+        return total
+
+    def inventory(self) -> dict[str, dict[str, Any]]:
+        """What this host holds, for the restore ladder over hosts: step (a string) ->
+        ``save_id``, ``healthy``, ``nonfinite``, ``manifest`` (its size), ``need`` (the
+        files the manifest names, with their sizes) and ``sha`` (the indexes' SHA-256),
+        all None/empty without a manifest, and ``have``: every file present in the step
+        folder, its ``replicas/`` and ``fetched/``, as ``[size, relpath]`` (the step
+        folder's own copy preferred). Temporary (half-written) files are never listed."""
+        out: dict[str, dict[str, Any]] = {}
+        if not self.owned():
+            return out
+        for step in self.steps():
+            st = self.storage(step)
+            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "manifest": None,
+                                     "need": None, "sha": {}, "have": {}}
+            try:
+                man = read_manifest(st)
+                entry.update(save_id=man.save_id, healthy=not man.nonfinite, nonfinite=list(man.nonfinite or []),
+                             manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
+                             need=needed(man.files),
+                             sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()
+                                  if isinstance(f.get("index"), dict)})
+            except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+                pass
+            for rel in (FETCHED, REPLICAS, ""):
+                folder = os.path.join(st.inner.root, rel)
+                try:
+                    names = os.listdir(folder)
+                except OSError:
+                    continue
+                for n in names:
+                    path = os.path.join(folder, n)
+                    if n.startswith(".") or n == MANIFEST_NAME or not os.path.isfile(path):
+                        continue
+                    try:
+                        entry["have"][n] = [os.path.getsize(path), f"{rel}/{n}" if rel else n]
+                    except OSError:
+                        continue
+            out[str(step)] = entry
+        return out
+
+    def place(self, step: int, names: Iterable[str]) -> None:
+        """Make every file of ``names`` present in the step folder itself (where a load
+        reads it): a replica or a fetched copy is hard-linked there (no bytes copied)."""
+        root = os.path.join(self.dir, step_dir(step))
+        for n in names:
+            here = os.path.join(root, n)
+            if os.path.exists(here):
+                continue
+            for rel in (REPLICAS, FETCHED):
+                there = os.path.join(root, rel, n)
+                if os.path.exists(there):
+                    os.link(there, here)
+                    break
+
+    def origin(self, step: int, name: str) -> str:
+        """Where the bytes of file ``name`` of snapshot ``step`` on this host came from:
+        ``"replica"`` (copied here by replication), ``"fetched"`` (from another host, by
+        a restore) or ``"own"`` (written on this host by the save)."""
+        root = os.path.join(self.dir, step_dir(step))
+        for rel, what in ((REPLICAS, "replica"), (FETCHED, "fetched")):
+            try:
+                if os.path.samefile(os.path.join(root, rel, name), os.path.join(root, name)):
+                    return what
+            except OSError:
+                continue
+        return "own"
 
     def remove(self, step: int) -> None:
         """Remove a snapshot, manifest first (a half-removed folder is never complete)."""
@@ -192,6 +342,11 @@ class JobArea:
             os.unlink(os.path.join(path, MANIFEST_NAME))
         except OSError:
             pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_all(paths: list[str]) -> None:
+    for path in paths:
         shutil.rmtree(path, ignore_errors=True)
 
 

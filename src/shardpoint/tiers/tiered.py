@@ -1,33 +1,63 @@
-"""The memory tier of a CheckpointManager: snapshot, drain, and the restore ladder.
+"""The memory tier of a CheckpointManager: snapshot, replication, drain, and the
+restore ladder, on one host or several.
 
-* ``save``: a step due for the tier is saved (the core's save pipeline, blocking) to
-  this host's job folder in shared memory; a step due for durability is then drained
-  from that snapshot by rank 0's helper. Full shared memory skips the snapshot with a
-  warning (a step due for durability is then saved directly to the root).
-* ``restore_memory``: every rank says which complete snapshots it sees; the newest
-  one every rank sees, if it is at least as new as the durable resume point, is
-  loaded (resharding as any load). Else the manager restores from the root.
+* ``save``: a step due for the tier is saved (the core's save pipeline) to each
+  host's job folder in shared memory: each rank writes its file on its own host,
+  rank 0 the manifest on its host; then rank 0 sends the sealed manifest to every
+  host (one rank per host writes it). A step due only for memory returns once its
+  state is staged: its write and commit run in the background, and the manifest's
+  sharing and replicas follow at the next collective point (``_finish_snapshot``). With ``replicas``, each rank's files are
+  then copied to other hosts by a background thread over the channel's side lane
+  (the next snapshot waits for it). A step due for durability is drained by each
+  host's first rank (its ranks' files, in its helper process); rank 0 commits the
+  manifest and ``latest`` once every host's part is in (checked at the next
+  collective point: a save, :meth:`Tiers.wait`). Full shared memory skips the
+  snapshot with a warning (a step due for durability is then saved directly).
+* ``restore_memory``: each host's first rank reports what its host holds; rank 0
+  picks the newest step whose manifest is on some host and whose files the present
+  hosts hold between them; what a host lacks is fetched from one that has it; every
+  rank loads from its host's folder (resharding as any load). Else the manager
+  restores from the root.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
+import os
 import socket
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from ..api import load
 from ..collective import Comm, agree
-from ..errors import CorruptCheckpointError, ShardpointError, UsageError
+from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..load.locate import read_manifest
+from ..saving.handle import SaveHandle, settle_in_flight
 from ..saving.pipeline import save_state
 from ..saving.records import SaveOptions
+from ..storage.base import Delegating
 from .config import MemoryTier, job_identity
-from .drain import Drainer, DrainJob
+from .drain import Drainer, DrainJob, DrainResult
+from .hosts import (
+    Candidate,
+    Hosts,
+    drain_parts,
+    needed,
+    rank_files,
+    redrain_parts,
+    replica_plan,
+    restore_plan,
+)
+from .replicate import transfer
 from .report import TieredLoadReport
-from .shm import JobArea
+from .shm import JobArea, PrivateStorage
 
 
 def no_space(e: BaseException) -> bool:
@@ -40,8 +70,34 @@ def no_space(e: BaseException) -> bool:
     return "[Errno 28]" in str(e) or "No space left on device" in str(e)
 
 
+class _Reading(Delegating):
+    """A storage that notes which files a load read (for the report's ``pieces``)."""
+
+    def __init__(self, inner: PrivateStorage) -> None:
+        super().__init__(inner)
+        self.names: set[str] = set()
+
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
+        self.names.add(name)
+        return self.inner.read(name, offset, length)
+
+    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
+        self.names.add(name)
+        self.inner.read_into(name, offset, buf)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A drain spread over hosts: each host in ``hosts`` copies its part; rank 0 commits
+    once all of them report theirs done (known alike on every rank)."""
+
+    step: int
+    save_id: str
+    hosts: frozenset[int]
+
+
 class Tiers:
-    """The memory tier of one manager (see the module docstring). Rank 0 owns the drain."""
+    """The memory tier of one manager (see the module docstring)."""
 
     def __init__(self, tier: MemoryTier, *, root: str, storage_options: dict[str, Any] | None, process_group: Any,
                  timeout: timedelta | float, folder: Callable[[int], str], pointer: Callable[[int], bytes],
@@ -54,96 +110,292 @@ class Tiers:
         self.drainer = Drainer(tier.drain)
         #: Steps whose snapshot was skipped because shared memory was full (this process).
         self.skipped: list[int] = []
-        #: Steps a drain failed to make durable, with why (this process, rank 0).
+        #: Steps a drain failed to make durable, with why (rank 0).
         self.failed: dict[int, str] = {}
+        #: Per snapshot step, what its replication could not do (this rank's part; empty: all done).
+        self.replication: dict[int, list[str]] = {}
         self.bypass = False
-        self._opened = False
+        self.hosts: Hosts | None = None
+        #: Copies per rank actually made: ``tier.replicas``, at most the other hosts' number.
+        self.replicas = 0
+        self._replicating: threading.Thread | None = None
+        self._pending: _Pending | None = None
+        self._part: DrainResult | None = None  # this host's part of the pending drain, once ended
+        #: The snapshot whose write and commit run in the background: its step and handle.
+        self._snapshot: tuple[int, SaveHandle] | None = None
+        self._created = False
 
     def _comm(self) -> Comm:
         return Comm(self.process_group, self.timeout)
 
-    def _open(self, comm: Comm) -> None:
-        """Once per manager, collective: one host only (for now), and the job folder."""
-        if self._opened:
-            return
-        comm.arrive("tiers-open", self.area.dir)
-        hosts = comm.all_gather_json(socket.gethostname())
-        if len(set(hosts)) > 1:
-            raise UsageError(f"a memory tier over several hosts ({sorted(set(hosts))}) is not built yet: each host "
-                             "would hold only its ranks' pieces and the drain reads them all from one (issue 23, "
-                             "next slice). Use CheckpointManager without memory= on more than one host")
+    @property
+    def _name(self) -> str:
+        """The job folder's name: the same on every host (its base may differ)."""
+        return os.path.basename(self.area.dir)
+
+    def _open(self, comm: Comm, *, create: bool = True) -> Hosts:
+        """Once per manager, collective: the hosts (by host name), the side lane that
+        carries files between hosts, and (``create``) the job folder on each host."""
+        if self.hosts is not None:
+            if create and not self._created:
+                self._create(comm)
+            return self.hosts
+        comm.arrive("tiers-open", self._name)
+        hosts = Hosts.of(comm.all_gather_json(socket.gethostname()))
+        self.replicas = min(self.tier.replicas, len(hosts) - 1)
+        if self.replicas < self.tier.replicas and comm.rank == 0:
+            warnings.warn(f"shardpoint: MemoryTier(replicas={self.tier.replicas}) on {len(hosts)} host(s) "
+                          f"{list(hosts.names)}: a replica never lands on its own host, so {self.replicas} "
+                          "cop(ies) per rank are made. Lower replicas= to silence this", stacklevel=4)
+        if len(hosts) > 1:
+            comm.open_side()
+        self.hosts = hosts
+        if create:
+            self._create(comm)
+        return hosts
+
+    def _create(self, comm: Comm) -> None:
+        """The job folder on every host (collective)."""
         error: BaseException | None = None
         try:
             self.area.open()
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
             error = e
         agree(comm, None, error)
-        self._opened = True
+        self._created = True
+
+    def _leader(self, comm: Comm) -> bool:
+        assert self.hosts is not None
+        return self.hosts.is_leader(comm.rank)
 
     # -- save ------------------------------------------------------------------------
     def save(self, state: Any, step: int, *, metrics: Mapping[str, float] | None, durable: bool) -> bool:
-        """Snapshot ``step`` if due, and start its drain if due for durability. Collective.
-        Returns False when the caller must save the step directly to the root instead
-        (due for durability, but its snapshot did not fit in shared memory)."""
+        """Snapshot ``step`` if due, replicate it, and start its drain if due for
+        durability. Collective. Returns False when the caller must save the step
+        directly to the root instead (due for durability, but its snapshot did not
+        fit in shared memory)."""
         comm = self._comm()
-        if comm.rank == 0:
-            self._collect(wait=False)
+        # the previous snapshot is committed and shared first: its commit runs on the
+        # channel in the background, and nothing else may use the channel meanwhile
+        self._finish_snapshot(comm)
+        self._settle(comm, wait=False)
         snap, dur = self.tier.due(step)
         dur = dur or durable
         if not (snap or dur):
             return True
         self._open(comm)
-        if comm.rank == 0:  # the memory bound: room for the new snapshot first
+        self._join_replication()  # the previous snapshot's replicas are in before a new one starts
+        if dur:
+            self._settle(comm, wait=True)  # one drain at a time
+        leader = self._leader(comm)
+        if leader:  # the memory bound: room for the new snapshot first (replicas included)
             draining = {self.drainer.job.step} if self.drainer.job is not None else set()
-            self.area.free(self.tier.keep - 1, draining)
+            if self._pending is not None:  # its commit reads the manifest here
+                draining.add(self._pending.step)
+            self.area.free(self.tier.keep - 1, draining, background=True)  # its bytes beside the staging copy
+            if step not in draining:
+                self.area.remove(step)  # a leftover of an abandoned run of this step
         storage = self.area.storage(step)
+        options = SaveOptions(overwrite=True, metrics=metrics)
         try:
-            save_state(comm, storage, state, SaveOptions(overwrite=True, metrics=metrics), blocking=True)
+            # A step due only for memory returns once its state is copied (staged); the
+            # write to shared memory and the commit go on in the background, and the
+            # manifest's sharing and the replicas follow at the next collective point
+            # (_finish_snapshot). A step due for durability is written before save
+            # returns: if it does not fit, this very state is saved to the root instead.
+            handle = save_state(comm, storage, state, options, blocking=dur)
         except ShardpointError as e:
-            if not no_space(e):
+            if not self._skip(comm, step, e, dur):
                 raise
-            if comm.rank == 0:
-                self.area.remove(step)
-            self.skipped.append(step)
-            warnings.warn(f"shardpoint: memory snapshot of step {step} skipped: shared memory under {self.area.dir} "
-                          f"is full ({e}). Training goes on; "
-                          + ("the step is saved directly to the durable root." if dur else
-                             "give MemoryTier(path=...) more room or lower keep="), stacklevel=3)
             return not dur
-        if dur and comm.rank == 0:
-            self._drain(step)
+        if handle is not None:
+            self._snapshot = (step, handle)
+            return True
+        self._after_commit(comm, step, storage, dur)
         return True
 
-    def _drain(self, step: int) -> None:
-        self._collect(wait=True)  # one drain at a time
-        self.drainer.start(DrainJob(step=step, src=self.area.storage(step).url, root=self.root,
-                                    folder=self.folder(step), pointer=self.pointer(step),
-                                    storage_options=self.storage_options))
+    def _skip(self, comm: Comm, step: int, e: ShardpointError, dur: bool) -> bool:
+        """A snapshot that failed for want of room in shared memory is skipped, with a
+        warning (True); any other failure is the caller's to raise (False)."""
+        if not no_space(e):
+            return False
+        if self._leader(comm):
+            self.area.remove(step)
+        self.skipped.append(step)
+        warnings.warn(f"shardpoint: memory snapshot of step {step} skipped: shared memory under {self.area.dir} "
+                      f"is full ({e}). Training goes on; "
+                      + ("the step is saved directly to the durable root." if dur else
+                         "give MemoryTier(path=...) more room or lower keep="), stacklevel=4)
+        return True
+
+    def _after_commit(self, comm: Comm, step: int, storage: PrivateStorage, dur: bool) -> None:
+        """A committed snapshot: its manifest to every host, its replicas started, and
+        (``dur``) its drain started. Collective."""
+        assert self.hosts is not None
+        man = self._share_manifest(comm, step, storage, self._leader(comm))
+        saver = rank_files(man.files)
+        if self.replicas > 0:
+            self._replicate(comm, step, storage.inner.root, replica_plan(self.hosts, saver, self.replicas))
+        if dur:
+            self._drain_parts(comm, step, man.save_id, drain_parts(self.hosts, saver), whole=True)
+
+    def _finish_snapshot(self, comm: Comm) -> None:
+        """Wait for the snapshot still writing in the background (every rank learns the
+        same outcome), then share and replicate it. Collective; called at the next
+        snapshot, :meth:`wait` and before a restore, after any save still writing in
+        the background has ended: the channel is then free for this manager's
+        collectives. Full shared memory skips it with a warning, as for a blocking
+        snapshot."""
+        settle_in_flight()  # any save writing in the background (this manager's or another's) is off the channel
+        pending, self._snapshot = self._snapshot, None
+        if pending is None:
+            return
+        step, handle = pending
+        try:
+            handle.wait()
+        except ShardpointError as e:
+            if not self._skip(comm, step, e, False):
+                raise
+            return
+        self._after_commit(comm, step, self.area.storage(step), False)
+
+    def _share_manifest(self, comm: Comm, step: int, storage: PrivateStorage, leader: bool) -> Manifest:
+        """Rank 0 sends the committed snapshot's sealed manifest to every rank; the first
+        rank of each other host writes it into its host's step folder (atomically). A
+        host that cannot hold it is warned about (a restore fetches it from another)."""
+        data = bytes(storage.read(MANIFEST_NAME)) if comm.rank == 0 else b""
+        if self.hosts is not None and len(self.hosts) > 1:
+            data = base64.b64decode(comm.broadcast_json(base64.b64encode(data).decode() if comm.rank == 0 else None))
+            if leader and self.hosts.of_rank[comm.rank] != self.hosts.of_rank[0]:
+                try:
+                    storage.write_atomic(MANIFEST_NAME, data)
+                except OSError as e:
+                    warnings.warn(f"shardpoint: the manifest of memory snapshot {step} could not be written on host "
+                                  f"{socket.gethostname()} ({e}); a restore there fetches it from another host",
+                                  stacklevel=4)
+        elif comm.rank != 0:
+            data = bytes(storage.read(MANIFEST_NAME))
+        return Manifest.parse(data, f"{storage.url}/{MANIFEST_NAME}")
+
+    def _replicate(self, comm: Comm, step: int, folder: str, moves: list[list[Any]]) -> None:
+        """Copy this rank's files to their replica holders and take the files it holds
+        for others, in a background thread on the side lane."""
+        def run() -> None:
+            try:
+                problems = transfer(comm, folder, moves, background=True)
+            except Exception as e:  # noqa: BLE001 - reported by the next snapshot, wait() or restore
+                problems = [f"{type(e).__name__}: {e}"]
+            self.replication[step] = problems
+
+        self.replication[step] = ["still running"]
+        self._replicating = comm.start_side(run, "shardpoint-replicate")
+
+    def _join_replication(self) -> None:
+        """Wait for the replication in flight; warn about what it could not do."""
+        t, self._replicating = self._replicating, None
+        if t is None:
+            return
+        t.join()
+        for step, problems in list(self.replication.items()):
+            if problems:
+                warnings.warn(f"shardpoint: replication of memory snapshot {step} is incomplete ({'; '.join(problems)}"
+                              "); that step survives only while every host holding its pieces does", stacklevel=4)
+        self.replication.clear()
+
+    # -- drain -----------------------------------------------------------------------
+    def _drain_parts(self, comm: Comm, step: int, save_id: str, parts: dict[int, list[list[Any]]], *,
+                     whole: bool) -> None:
+        """Start the drain of ``step`` (every rank calls it alike; no collective):
+        ``parts`` says which host copies which files. All on rank 0's host: rank 0's
+        helper copies and commits (``whole``: every file of the snapshot folder). Else
+        each host's first rank copies its part, and rank 0 commits at a later
+        collective point, once every part is in (:meth:`_settle`)."""
+        assert self.hosts is not None
+        if set(parts) <= {0}:
+            if comm.rank == 0:
+                self._collect(wait=True)
+                self.drainer.start(self._job(step, None if whole else parts.get(0, []), commit=True))
+            return
+        self._pending = _Pending(step, save_id, frozenset(parts))
+        self._part = None
+        h = self.hosts.of_rank[comm.rank]
+        if self._leader(comm) and h in parts:
+            if comm.rank == 0:
+                self._collect(wait=True)
+            self.drainer.start(self._job(step, parts[h], commit=False, save_id=save_id))
+
+    def _job(self, step: int, files: list[list[Any]] | None, *, commit: bool, save_id: str | None = None) -> DrainJob:
+        return DrainJob(step=step, src=self.area.path(step), root=self.root, folder=self.folder(step),
+                        pointer=self.pointer(step), storage_options=self.storage_options, files=files,
+                        commit=commit, save_id=save_id)
+
+    def _settle(self, comm: Comm, *, wait: bool) -> None:
+        """Rank 0 takes the result of a committing drain that ended. With a drain spread
+        over hosts pending (known alike on every rank; collective then): each host's
+        first rank says whether its part is done (waits for it if ``wait``); once all
+        are, rank 0 commits (its helper writes the manifest and ``latest`` after
+        checking every file is there), or warns that the step was not made durable."""
+        if comm.rank == 0:
+            self._collect(wait=False)
+        p = self._pending
+        if p is None:
+            return
+        assert self.hosts is not None
+        mine: dict[str, Any] = {"done": True, "error": None}
+        if self._leader(comm) and self.hosts.of_rank[comm.rank] in p.hosts:
+            if self._part is None:
+                self._part = self.drainer.wait() if wait else self.drainer.poll()
+            mine = {"done": self._part is not None, "error": self._part.error if self._part is not None else None}
+        everyone = comm.all_gather_json(mine)
+        if not all(e["done"] for e in everyone):
+            return
+        self._pending, self._part = None, None
+        if comm.rank != 0:
+            return
+        errors = [f"host {self.hosts.names[self.hosts.of_rank[r]]}: {e['error']}" for r, e in enumerate(everyone)
+                  if e["error"]]
+        if errors:
+            self.failed[p.step] = "; ".join(errors)
+            warnings.warn(f"shardpoint: step {p.step} was not made durable under {self.root}: {'; '.join(errors)}. "
+                          "Its memory snapshot is kept until newer ones replace it", stacklevel=4)
+            return
+        self.drainer.start(self._job(p.step, [], commit=True))
+        if wait:
+            self._collect(wait=True)
 
     def _collect(self, *, wait: bool) -> None:
-        """Rank 0: take the result of a drain that ended (wait for it if ``wait``):
-        retention after a commit, a warning after a failure."""
+        """Rank 0: take the result of a committing drain that ended (wait for it if
+        ``wait``): retention after a commit, a warning after a failure."""
+        job = self.drainer.job
+        if job is None or not job.commit:
+            return
         result = self.drainer.wait() if wait else self.drainer.poll()
         if result is None:
             return
         if result.error is not None:
             self.failed[result.step] = result.error
             warnings.warn(f"shardpoint: step {result.step} was not made durable under {self.root}: {result.error}. "
-                          "Its memory snapshot is kept until newer ones replace it", stacklevel=3)
+                          "Its memory snapshot is kept until newer ones replace it", stacklevel=4)
             return
         self.area.free(self.tier.keep, set())  # the drained snapshot, when newer ones came meanwhile
         try:
             self.on_drained(result.step)
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; retention tries again next time
-            warnings.warn(f"shardpoint: cleaning up old checkpoints after step {result.step} failed: {e}", stacklevel=3)
+            warnings.warn(f"shardpoint: cleaning up old checkpoints after step {result.step} failed: {e}", stacklevel=4)
 
     def wait(self) -> None:
-        """Rank 0: wait for the drain in flight (and run retention after it)."""
-        self._collect(wait=True)
+        """Wait for the replication and the drain in flight (and run retention after
+        a commit). Collective when a drain spread over hosts is pending."""
+        self._finish_snapshot(self._comm())
+        self._join_replication()
+        self._settle(self._comm(), wait=True)
+        if self._comm().rank == 0:
+            self._collect(wait=True)
 
     def close(self) -> None:
         self.wait()
         self.drainer.close()
+        self.area.settle()
 
     # -- restore ---------------------------------------------------------------------
     @contextmanager
@@ -157,44 +409,97 @@ class Tiers:
 
     def restore_memory(self, state: Any, durable_step: int | None, *, only: list[str] | str | None,
                        exclude: list[str] | str | None, strict: bool) -> TieredLoadReport | None:
-        """Load the newest snapshot every rank sees in full, if it is at least as new as
-        ``durable_step`` (rank 0's resume point on the root). Collective. None: nothing
-        loaded, restore from the root."""
+        """Load the newest snapshot the present hosts hold in full between them, if it
+        is at least as new as ``durable_step`` (rank 0's resume point on the root):
+        what a host lacks is fetched from a host that has it, then every rank loads
+        from its own host's folder. Collective. None: nothing loaded, restore from the
+        root."""
         comm = self._comm()
-        comm.arrive("tiers-restore", self.area.dir)
-        mine: list[int] = []
-        for snap in self.area.complete():
-            if snap.manifest.nonfinite:
-                warnings.warn(f"shardpoint: not restoring memory snapshot {snap.path}: it holds non-finite values in "
-                              f"{snap.manifest.nonfinite[:5]}", stacklevel=3)
-            else:
-                mine.append(snap.step)
-        everyone = comm.all_gather_json({"steps": mine, "durable": durable_step})
-        common = set(everyone[0]["steps"]).intersection(*(set(e["steps"]) for e in everyone[1:]))
-        durable = everyone[0]["durable"]
-        for step in sorted((s for s in common if durable is None or s >= durable), reverse=True):
-            storage = self.area.storage(step)
+        comm.arrive("tiers-restore", self._name)
+        hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
+        leader = self._leader(comm)
+        got = comm.gather_json(self.area.inventory() if leader else None)
+        plan = None
+        if got is not None:
+            invs = [got[hosts.leader(h)] for h in range(len(hosts))]
+            cands, passed = restore_plan(hosts, invs, durable_step)
+            for step, why in passed.items():
+                warnings.warn(f"shardpoint: not restoring memory snapshot {step}: {why}", stacklevel=3)
+            due = sorted({int(s) for inv in invs for s in inv if self.tier.due(int(s))[1]})
+            plan = []
+            for c in cands:
+                redrain = redrain_parts(hosts, invs, c, due, durable_step)
+                plan.append({**c.wire(), "redrain": None if redrain is None else
+                             [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
+        for c in comm.broadcast_json(plan):
+            cand = Candidate.from_wire(c)
+            storage = self.area.storage(cand.step)
             try:
-                report = load(state, storage, only=only, exclude=exclude, strict=strict,
+                self._gather(comm, cand, storage, leader)
+            except CollectiveMismatchError:
+                raise
+            except ShardpointError as e:
+                warnings.warn(f"shardpoint: memory snapshot of step {cand.step} cannot be gathered on every host "
+                              f"({e}); trying an older one", stacklevel=3)
+                continue
+            reading = _Reading(storage)
+            try:
+                report = load(state, reading, only=only, exclude=exclude, strict=strict,
                               process_group=self.process_group, timeout=self.timeout)
             except CorruptCheckpointError as e:
-                warnings.warn(f"shardpoint: memory snapshot of step {step} cannot be loaded ({e}); trying an older one",
-                              stacklevel=3)
+                warnings.warn(f"shardpoint: memory snapshot of step {cand.step} cannot be loaded ({e}); trying an "
+                              "older one", stacklevel=3)
                 continue
-            report.step = step
-            self.after_restore(comm.rank, step, durable)
-            return TieredLoadReport.of(report, "memory", storage.url)
+            report.step = cand.step
+            pieces = {n: self.area.origin(cand.step, n) for n in sorted(reading.names) if n != MANIFEST_NAME}
+            self._after_memory_restore(comm, cand.step, c.get("redrain"))
+            return TieredLoadReport.of(report, "memory", storage.inner.root, pieces)
         return None
 
-    def after_restore(self, rank: int, step: int | None, durable: int | None) -> None:
-        """Rank 0, once a step was restored (None: none was): snapshots newer than it
-        belong to an abandoned future and go; the newest snapshot due for durability
-        that the root lacks (its drain was cut by the crash) is drained again."""
-        if rank != 0:
-            return
-        for s in self.area.steps():
-            if step is None or s > step:
-                self.area.remove(s)
-        due = [s.step for s in self.area.complete() if self.tier.due(s.step)[1] and (durable is None or s.step > durable)]
-        if due:
-            self._drain(due[-1])
+    def _gather(self, comm: Comm, cand: Candidate, storage: PrivateStorage, leader: bool) -> None:
+        """Give every present host every file of ``cand`` (collective): the fetches, then
+        (once every rank's are in) each host's first rank links replicas and fetched
+        files into the step folder, where the load reads them. Raises on every rank
+        when a rank failed."""
+        hosts = self.hosts
+        assert hosts is not None
+        error: BaseException | None = None
+        try:
+            if any(int(m[4]) in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
+                self.area.open()  # this host receives files: its job folder (any rank may make it)
+            problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
+            if problems:
+                error = ShardpointError("; ".join(problems))
+        except CollectiveMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fanned out to every rank
+            error = e
+        agree(comm, None, error)
+        try:
+            if leader:
+                self.area.place(cand.step, needed(read_manifest(storage).files))
+        except Exception as e:  # noqa: BLE001 - fanned out to every rank
+            error = e
+        agree(comm, None, error)
+
+    def _after_memory_restore(self, comm: Comm, step: int, redrain: list[Any] | None) -> None:
+        """Snapshots newer than the restored one belong to an abandoned future and go
+        (on every host); the newest snapshot due for durability that the root lacks
+        (its drain was cut by the crash) is drained again, from wherever its pieces are."""
+        if self._leader(comm):
+            for s in self.area.steps():
+                if s > step:
+                    self.area.remove(s)
+        if redrain is not None:
+            rstep, sid, parts = redrain
+            self._drain_parts(comm, int(rstep), str(sid), {int(h): p for h, p in parts.items()}, whole=False)
+
+    def after_durable_restore(self, step: int | None) -> None:
+        """After a restore from the root (collective): every host drops the snapshots
+        newer than ``step`` (all of them when nothing was restored)."""
+        comm = self._comm()
+        self._open(comm, create=False)
+        if self._leader(comm):
+            for s in self.area.steps():
+                if step is None or s > step:
+                    self.area.remove(s)

@@ -1,0 +1,226 @@
+"""Hosts and the plans of the memory tier over several hosts: pure functions, no I/O,
+no torch.distributed.
+
+* :class:`Hosts`: the ranks grouped by host name, hosts ordered by their lowest rank.
+* :func:`replica_plan`: which rank sends which snapshot file to which rank of another
+  host (replica ``j`` of a rank on host ``h`` goes to host ``(h + j) mod H``).
+* :func:`restore_plan`: from every present host's inventory, the steps restorable in
+  full (newest first), each with the transfers that give every host every file.
+* :func:`drain_parts`: which host copies which file of a snapshot to the durable root.
+
+A *file spec* is ``[relpath, name, size, sha256 or None]``: where the file lies in a
+host's step folder (``name``, ``replicas/<name>`` or ``fetched/<name>``), the name it
+has in the checkpoint, its size, and for an index the SHA-256 its manifest records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..format.manifest import MANIFEST_NAME
+
+#: Sub-folders of a host's step folder: replicas received for other hosts' ranks, and
+#: files fetched from other hosts by a restore.
+REPLICAS = "replicas"
+FETCHED = "fetched"
+
+
+@dataclass(frozen=True, slots=True)
+class Hosts:
+    """The ranks of a group by host: ``names[h]`` is host ``h``, ``ranks[h]`` its ranks
+    (ascending), hosts ordered by their lowest rank; ``of_rank[r]`` is rank ``r``'s host."""
+
+    names: tuple[str, ...]
+    ranks: tuple[tuple[int, ...], ...]
+    of_rank: tuple[int, ...]
+
+    @staticmethod
+    def of(hostnames: Sequence[str]) -> Hosts:
+        """Group ranks by ``hostnames[rank]``."""
+        order: list[str] = []
+        by: dict[str, list[int]] = {}
+        for r, name in enumerate(hostnames):
+            if name not in by:
+                order.append(name)
+                by[name] = []
+            by[name].append(r)
+        index = {n: h for h, n in enumerate(order)}
+        return Hosts(tuple(order), tuple(tuple(by[n]) for n in order), tuple(index[n] for n in hostnames))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def leader(self, h: int) -> int:
+        """The rank that acts for host ``h`` (its lowest)."""
+        return self.ranks[h][0]
+
+    def is_leader(self, rank: int) -> bool:
+        """Whether ``rank`` acts for its host (writes the manifest there, drains its
+        part, reports its inventory)."""
+        return self.leader(self.of_rank[rank]) == rank
+
+    def targets(self, rank: int, replicas: int) -> list[int]:
+        """The ranks that hold the replicas of ``rank``'s files: replica ``j`` (1..k) goes
+        to host ``(h + j) mod H``, to the rank there at the same position as ``rank`` on
+        its host (wrapping when that host has fewer ranks). Never ``rank``'s own host."""
+        h = self.of_rank[rank]
+        i = self.ranks[h].index(rank)
+        out = []
+        for j in range(1, min(replicas, len(self) - 1) + 1):
+            there = self.ranks[(h + j) % len(self)]
+            out.append(there[i % len(there)])
+        return out
+
+
+def rank_files(manifest_files: Mapping[str, Any]) -> dict[int, list[list[Any]]]:
+    """Saving rank -> the file specs of the files it wrote (its data file, then its
+    index), from a manifest's ``files`` table."""
+    out: dict[int, list[list[Any]]] = {}
+    for name, entry in sorted(manifest_files.items()):
+        specs = out.setdefault(int(entry["rank"]), [])
+        specs.append([name, name, int(entry["size"]), None])
+        idx = entry.get("index")
+        if isinstance(idx, dict):
+            specs.append([str(idx["name"]), str(idx["name"]), int(idx["size"]), str(idx["sha256"])])
+    return out
+
+
+def needed(manifest_files: Mapping[str, Any]) -> dict[str, int]:
+    """Every file a snapshot consists of (data files and indexes), with its size."""
+    return {spec[1]: spec[2] for specs in rank_files(manifest_files).values() for spec in specs}
+
+
+def replica_plan(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]], replicas: int) -> list[list[Any]]:
+    """The transfers of a snapshot's replication, in one order every rank computes
+    alike: ``[src_relpath, name, size, src_rank, dst_rank, dst_relpath]`` (as
+    :attr:`Candidate.fetch`). ``saver_files``: the files each rank wrote
+    (:func:`rank_files`); ranks are those of the saving group."""
+    out = []
+    for rank in sorted(saver_files):
+        for dst in hosts.targets(rank, replicas):
+            for spec in saver_files[rank]:
+                out.append([spec[0], spec[1], spec[2], rank, dst, f"{REPLICAS}/{spec[1]}"])
+    return out
+
+
+def drain_parts(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]]) -> dict[int, list[list[Any]]]:
+    """Host -> the file specs it drains to the durable root right after the snapshot:
+    each host its own ranks' files, read from its own memory."""
+    parts: dict[int, list[list[Any]]] = {}
+    for rank, specs in saver_files.items():
+        parts.setdefault(hosts.of_rank[rank], []).extend(specs)
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A step restorable in full from the present hosts, and how: ``fetch`` lists
+    ``[src_relpath, name, size, src_rank, dst_rank, dst_relpath]``, what each host lacks
+    (the manifest included) copied from a host that has it."""
+
+    step: int
+    save_id: str
+    fetch: list[list[Any]]
+
+    def wire(self) -> dict[str, Any]:
+        """As JSON (rank 0 sends the plan to every rank)."""
+        return {"step": self.step, "save_id": self.save_id, "fetch": self.fetch}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> Candidate:
+        """Back from :meth:`wire`."""
+        return Candidate(int(d["step"]), str(d["save_id"]), list(d["fetch"]))
+
+
+def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable: int | None
+                 ) -> tuple[list[Candidate], dict[int, str]]:
+    """The steps restorable in full from what the present hosts hold, newest first, and
+    the steps passed over with why.
+
+    ``inventories[h]`` is host ``h``'s: step (as a string) -> ``{"save_id", "healthy",
+    "manifest" (its size), "need" ({name: size}), "have" ({name: [size, relpath]})}``,
+    where ``save_id``/``manifest``/``need`` are None when the host holds no manifest of
+    that step. A step is restorable when some host holds a healthy manifest of it, it
+    is at least as new as ``durable``, and every file its manifest names is on some
+    host at its size. Files are fetched from the first host (by host order, rotating
+    over its ranks) that has them, into ``fetched/`` on each host that lacks them."""
+    by_step: dict[tuple[int, str], list[int]] = {}  # (step, save id) -> hosts holding its manifest
+    for h, inv in enumerate(inventories):
+        for key, st in inv.items():
+            if st.get("save_id") is not None:
+                by_step.setdefault((int(key), str(st["save_id"])), []).append(h)
+    out: list[Candidate] = []
+    passed: dict[int, str] = {}
+    for (step, sid), holders in sorted(by_step.items(), key=lambda kv: (kv[0][0], len(kv[1])), reverse=True):
+        if durable is not None and step < durable:
+            continue
+        first = inventories[holders[0]][str(step)]
+        if not first.get("healthy", True):
+            passed[step] = f"it holds non-finite values in {first.get('nonfinite', [])[:5]}"
+            continue
+        need: dict[str, int] = dict(first["need"])
+        need[MANIFEST_NAME] = int(first["manifest"])
+        where: dict[str, list[tuple[int, str]]] = {}
+        for h, inv in enumerate(inventories):
+            st = inv.get(str(step))
+            if st is None:
+                continue
+            if st.get("save_id") == sid:
+                where.setdefault(MANIFEST_NAME, []).append((h, MANIFEST_NAME))
+            for name, (size, rel) in st.get("have", {}).items():
+                if need.get(name) == size and name != MANIFEST_NAME:
+                    where.setdefault(name, []).append((h, rel))
+        lost = sorted(n for n in need if n not in where)
+        if lost:
+            passed.setdefault(step, f"{len(lost)} of its files are on no present host (e.g. {lost[0]})")
+            continue
+        fetch: list[list[Any]] = []
+        turn = 0
+        for name in sorted(need, key=lambda n: n == MANIFEST_NAME):  # the manifest last
+            holders_of = {h: rel for h, rel in reversed(where[name])}
+            src_h = min(holders_of)
+            for h in range(len(hosts)):
+                if h in holders_of:
+                    continue
+                src = hosts.ranks[src_h][turn % len(hosts.ranks[src_h])]
+                dst = hosts.ranks[h][turn % len(hosts.ranks[h])]
+                rel = name if name == MANIFEST_NAME else f"{FETCHED}/{name}"
+                fetch.append([holders_of[src_h], name, need[name], src, dst, rel])
+                turn += 1
+        out.append(Candidate(step, sid, fetch))
+    return out, passed
+
+
+def redrain_parts(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], chosen: Candidate,
+                  due: Sequence[int], durable: int | None) -> tuple[int, str, dict[int, list[list[Any]]]] | None:
+    """After restoring ``chosen``: the newest step due for durability (in ``due``),
+    newer than ``durable`` and not newer than the restored step, whose snapshot is
+    whole on the present hosts and whose manifest rank 0's host holds (or gets, for
+    the restored step itself), with its save id and which host drains which file (the
+    first host, by host order, holding it). None when there is none."""
+    for step in sorted(due, reverse=True):
+        if step > chosen.step or (durable is not None and step <= durable):
+            continue
+        if step == chosen.step:  # every host holds all of it once the restore's fetch is done
+            st = next((inv[str(step)] for inv in inventories
+                       if inv.get(str(step), {}).get("save_id") == chosen.save_id), None)
+            if st is None:
+                return None
+            sha = st.get("sha", {})
+            return step, chosen.save_id, {0: [[n, n, size, sha.get(n)] for n, size in st["need"].items()]}
+        st0 = inventories[0].get(str(step))
+        if st0 is None or st0.get("save_id") is None or not st0.get("healthy", True):
+            continue
+        parts: dict[int, list[list[Any]]] = {}
+        for name, size in st0["need"].items():
+            for h in range(len(inventories)):
+                got = inventories[h].get(str(step), {}).get("have", {}).get(name)
+                if got is not None and got[0] == size:
+                    parts.setdefault(h, []).append([got[1], name, size, st0.get("sha", {}).get(name)])
+                    break
+            else:
+                return None
+        return step, str(st0["save_id"]), parts
+    return None

@@ -1,0 +1,145 @@
+"""The memory tier over several hosts, its pure part: hosts by name, where replicas
+go, what a snapshot's replication sends, which step a restore over hosts picks and
+what it fetches; and file transfers on real gloo ranks (a half-written or unreadable
+replica is never counted). The two-host runs: tests/distributed/test_tiers_hosts.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpoint.format.manifest import MANIFEST_NAME
+from shardpoint.tiers.hosts import Hosts, drain_parts, rank_files, redrain_parts, replica_plan, restore_plan
+from shardpoint.tiers.shm import JobArea
+from tests._dist import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_hosts_are_ordered_by_their_lowest_rank() -> None:
+    h = Hosts.of(["n2", "n1", "n2", "n1", "n3"])
+    assert h.names == ("n2", "n1", "n3") and h.ranks == ((0, 2), (1, 3), (4,)) and h.of_rank == (0, 1, 0, 1, 2)
+    assert [h.leader(i) for i in range(3)] == [0, 1, 4] and h.is_leader(1) and not h.is_leader(3)
+
+
+def test_replicas_never_land_on_their_own_host() -> None:
+    h = Hosts.of(["a", "a", "b", "b", "c"])
+    assert h.targets(0, 1) == [2] and h.targets(1, 1) == [3]  # host (h + 1) mod H, same position
+    assert h.targets(1, 2) == [3, 4]  # host c has one rank: positions wrap
+    assert h.targets(4, 2) == [0, 2]  # from the last host to the first ones
+    assert h.targets(0, 5) == [2, 4]  # clamped to the other hosts' number
+    for r in range(5):
+        assert all(h.of_rank[t] != h.of_rank[r] for t in h.targets(r, 4))
+    assert Hosts.of(["a", "a"]).targets(0, 1) == []
+
+
+def files(world: int, sid: str = "s1", size: int = 100) -> dict[str, Any]:
+    """A manifest's ``files`` table: one data file and its index per rank."""
+    return {f"r{r:05d}-{sid}.safetensors": {"size": size + r, "rank": r,
+                                            "index": {"name": f"r{r:05d}-{sid}.index.json", "size": 10, "sha256": f"h{r}"}}
+            for r in range(world)}
+
+
+def test_replication_sends_the_state_times_replicas() -> None:
+    h = Hosts.of(["a", "a", "b", "b"])
+    saver = rank_files(files(4))
+    state = sum(s[2] for specs in saver.values() for s in specs)
+    for k in (1, 3):
+        moves = replica_plan(h, saver, k)
+        assert sum(m[2] for m in moves) == state * min(k, 1)  # two hosts: at most one other
+        assert all(h.of_rank[m[3]] != h.of_rank[m[4]] and m[5] == f"replicas/{m[1]}" for m in moves)
+    assert {m[3]: m[4] for m in replica_plan(h, saver, 1)} == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert drain_parts(h, saver) == {0: saver[0] + saver[1], 1: saver[2] + saver[3]}
+
+
+def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> dict[str, Any]:
+    need = {n: s for n, s in ((n, e["size"]) for n, e in files(world, sid).items())}
+    need.update({e["index"]["name"]: 10 for e in files(world, sid).values()})
+    return {str(step): {"save_id": sid if man else None, "healthy": True, "nonfinite": [], "manifest": 500 if man else None,
+                        "need": need if man else None, "sha": {}, "have": {n: [s, rel] for n, (s, rel) in have.items()}}}
+
+
+def host_files(ranks: list[int], sid: str, rel: str = "") -> dict[str, tuple[int, str]]:
+    out = {}
+    for r in ranks:
+        for n, s in ((f"r{r:05d}-{sid}.safetensors", 100 + r), (f"r{r:05d}-{sid}.index.json", 10)):
+            out[n] = (s, f"{rel}/{n}" if rel else n)
+    return out
+
+
+def test_restore_picks_the_newest_step_the_present_hosts_hold_between_them() -> None:
+    a_only = Hosts.of(["a", "a"])
+    # host A after host B's loss: step 7 with its own files and replicas of B's; step 6 without the replicas
+    inv_a = {**inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([2, 3], "s7", "replicas")}),
+             **inventory(6, "s6", True, host_files([0, 1], "s6"))}
+    cands, passed = restore_plan(a_only, [inv_a], durable=5)
+    assert [(c.step, c.save_id, c.fetch) for c in cands] == [(7, "s7", [])]
+    assert "on no present host" in passed[6]
+    assert restore_plan(a_only, [inv_a], durable=8)[0] == []  # the durable tier is newer
+    # the replica is one byte short (a torn copy under its final name): never counted
+    torn = {**inv_a}
+    torn["7"] = {**inv_a["7"], "have": {**inv_a["7"]["have"], "r00003-s7.safetensors": [102, "replicas/r00003-s7.safetensors"]}}
+    assert restore_plan(a_only, [torn], durable=None)[0] == []
+
+
+def test_restore_fetches_what_a_host_lacks_from_one_that_has_it() -> None:
+    two = Hosts.of(["a", "a", "b", "b"])
+    inv_a = inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([2, 3], "s7", "replicas")})
+    inv_b = inventory(7, "s7", False, host_files([2], "s7"))  # B lost its manifest and rank 3's file
+    [cand], _ = restore_plan(two, [inv_a, inv_b], durable=None)
+    got = {(m[1], m[3] in (0, 1), m[4] in (2, 3), m[5]) for m in cand.fetch}
+    want = {(n, True, True, f"fetched/{n}") for n in [*host_files([0, 1], "s7"), *host_files([3], "s7")]}
+    assert got == want | {(MANIFEST_NAME, True, True, MANIFEST_NAME)}
+    assert cand.fetch[-1][1] == MANIFEST_NAME  # the manifest last
+    # re-draining the restored step: rank 0's host holds all of it once fetched
+    assert redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5) is not None
+    step, sid, parts = redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5)  # type: ignore[misc]
+    assert (step, sid, list(parts)) == (7, "s7", [0])
+    assert redrain_parts(two, [inv_a, inv_b], cand, [5], 5) is None  # already durable
+
+
+def test_inventory_never_lists_half_written_files(tmp_path: Path) -> None:
+    area = JobArea(str(tmp_path), "run=x\0root=y")
+    area.open()
+    folder = Path(area.path(3))
+    (folder / "replicas").mkdir(parents=True)
+    (folder / "r00000-s.safetensors").write_bytes(b"x" * 5)
+    (folder / "replicas" / "r00002-s.safetensors").write_bytes(b"y" * 7)
+    (folder / "replicas" / ".r00003-s.safetensors.part-1-ab").write_bytes(b"z")
+    inv = area.inventory()["3"]
+    assert inv["save_id"] is None and inv["have"] == {"r00000-s.safetensors": [5, "r00000-s.safetensors"],
+                                                       "r00002-s.safetensors": [7, "replicas/r00002-s.safetensors"]}
+    area.place(3, ["r00002-s.safetensors"])
+    assert area.origin(3, "r00002-s.safetensors") == "replica" and area.origin(3, "r00000-s.safetensors") == "own"
+
+
+def _transfer(rank: int, world: int, base: str) -> list[str]:
+    from shardpoint.collective import Comm
+    from shardpoint.tiers.replicate import BLOCK, transfer
+
+    comm = Comm()
+    comm.open_side()
+    folder = os.path.join(base, f"host{rank}")
+    os.makedirs(folder, exist_ok=True)
+    big = BLOCK + 12345  # more than one block
+    if rank == 0:
+        with open(os.path.join(folder, "big"), "wb") as f:
+            f.write(bytes(range(256)) * (big // 256) + bytes(big % 256))
+        with open(os.path.join(folder, "short"), "wb") as f:
+            f.write(b"abc")  # the move says 10 bytes: its sender cannot send it whole
+    moves = [["big", "big", big, 0, 1, "replicas/big"], ["short", "short", 10, 0, 1, "replicas/short"],
+             ["gone", "gone", 4, 0, 1, "replicas/gone"]]
+    problems = transfer(comm, folder, moves)
+    return sorted(problems) + sorted(os.listdir(os.path.join(folder, "replicas"))) if rank == 1 else problems
+
+
+def test_transfers_rename_whole_files_only(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    sender, receiver = run_ranks(_transfer, 2, base, timeout=100)
+    assert len(sender) == 2 and "has 3 bytes, 10 expected" in sender[0] + sender[1]
+    assert receiver[-1:] == ["big"] and all("sender could not read it" in p for p in receiver[:-1])
+    src, dst = Path(base, "host0", "big").read_bytes(), Path(base, "host1", "replicas", "big").read_bytes()
+    assert src == dst and os.stat(Path(base, "host1", "replicas", "big")).st_mode & 0o077 == 0
