@@ -31,8 +31,16 @@ from __future__ import annotations
 import os
 import time
 
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:  # a malformed value must not break ``import shardpoint``
+        return default
+
+
 #: Seconds the exit hook waits at most for gloo workers to settle (0: no hook).
-SETTLE = float(os.environ.get("SHARDPOINT_EXIT_SETTLE", 5.0))
+SETTLE = _seconds("SHARDPOINT_EXIT_SETTLE", 5.0)
 
 #: The name torch gives ProcessGroupGloo's worker threads (c10::setThreadName).
 GLOO_WORKER = "pt_gloo_runloop"
