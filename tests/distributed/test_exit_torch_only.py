@@ -34,13 +34,15 @@ pytestmark = [pytest.mark.distributed]
 
 _RACE = textwrap.dedent("""
     import os, sys, time
+    from datetime import timedelta
     import torch
     import torch.distributed as dist
     import shardpoint  # imported, never called
 
     pid = os.fork()  # rank 1 (no thread exists yet: torch and shardpoint start none at import)
     rank = 0 if pid else 1
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + sys.argv[1],
+                            timeout=timedelta(seconds=30))  # a rank left alone does not linger
     t = torch.ones(16)
     if rank == 1:
         time.sleep(0.3)
