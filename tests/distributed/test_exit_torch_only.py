@@ -16,9 +16,11 @@ the gloo workers finish with the GIL first.
 * :func:`test_a_torch_only_script_that_imports_shardpoint_exits_0`: FSDP2 over gloo
   on 4 ranks, ``torch.distributed.checkpoint.save``, then the end of the script,
   with and without ``destroy_process_group()``, under torchrun (which reports any
-  rank's SIGABRT as a failure). A soak, run with ``SHARDPOINT_EXIT_RUNS=N``: the
-  same script without shardpoint aborted in 8 of 48 runs on a loaded 2-core machine
-  (see the issue notes for the counts with shardpoint)."""
+  rank's SIGABRT as a failure). A soak, run with ``SHARDPOINT_EXIT_RUNS=N``. On a
+  loaded 2-core machine, 50 runs of each variant interleaved in one session: the
+  script without shardpoint aborted in 12 of 50 (no destroy) and 9 of 50 (destroy),
+  every abort the same frames; with shardpoint imported, 0 of 50 and 0 of 50 (and
+  0 of 100 again in this soak with ``SHARDPOINT_EXIT_RUNS=50``)."""
 
 from __future__ import annotations
 
