@@ -32,7 +32,7 @@ import os
 import time
 
 
-def _seconds(name: str, default: float) -> float:
+def _env_seconds(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))
     except ValueError:  # a malformed value must not break ``import shardpoint``
@@ -40,7 +40,7 @@ def _seconds(name: str, default: float) -> float:
 
 
 #: Seconds the exit hook waits at most for gloo workers to settle (0: no hook).
-SETTLE = _seconds("SHARDPOINT_EXIT_SETTLE", 5.0)
+SETTLE = _env_seconds("SHARDPOINT_EXIT_SETTLE", 5.0)
 
 #: The name torch gives ProcessGroupGloo's worker threads (c10::setThreadName).
 GLOO_WORKER = "pt_gloo_runloop"
