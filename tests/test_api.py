@@ -655,14 +655,19 @@ def test_a_sparse_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
 def test_importing_shardpoint_changes_nothing_at_exit() -> None:
     """A script that only imports shardpoint exits as it would without it: no
     threading exit hook, no thread, no process group (the save in flight's exit hook
-    is registered by the first save or restore)."""
+    is registered by the first save or restore). Its one ``atexit`` hook only lets
+    torch's gloo worker threads finish with the GIL (shardpoint/_exit.py): with no
+    gloo worker it returns at once and does nothing."""
     import subprocess
     import sys
 
-    code = ("import concurrent.futures, threading, torch\n"
+    code = ("import atexit, concurrent.futures, threading, torch\n"
             "before = (list(threading._threading_atexits), threading.active_count())\n"
-            "import shardpoint\n"
+            "callbacks = atexit._ncallbacks()\n"
+            "import shardpoint, shardpoint._exit as x\n"
             "assert (list(threading._threading_atexits), threading.active_count()) == before\n"
+            "assert atexit._ncallbacks() == callbacks + 1 and x.gloo_workers() == []\n"
+            "assert x.settle_gloo_workers() == 0\n"
             "shardpoint.save({'w': torch.ones(2)}, __import__('sys').argv[1])\n"
             "assert len(threading._threading_atexits) == len(before[0]) + 1\n")
     with tempfile.TemporaryDirectory() as d:

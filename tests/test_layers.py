@@ -134,7 +134,7 @@ def _mutable_module_state(path: Path) -> list[str]:
     """Module-level names bound to a mutable container, or to an object made by a call
     that is not a known constant maker."""
     constant_calls = {"TypeVar", "frozenset", "tuple", "int", "float", "str", "bool", "timedelta", "compile",
-                      "getLogger", "get", "_env_size", "MappingProxyType", "namedtuple", "fromtimestamp",
+                      "getLogger", "get", "_env_size", "_env_seconds", "MappingProxyType", "namedtuple", "fromtimestamp",
                       "Lock"}  # a lock guards state, it holds none
     tree = ast.parse(path.read_text())
     mutated: set[str] = set()  # names assigned into or changed by a method anywhere in the module

@@ -6,6 +6,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import atexit as _atexit  # noqa: E402
+
+from . import _exit  # noqa: E402
+
+if _exit.SETTLE > 0:  # torch's gloo workers drop their last tensor references before finalisation (_exit.py)
+    _atexit.register(_exit.settle_gloo_workers)
+
 from .api import load, load_full, metadata, save  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointNotFoundError,
