@@ -6,7 +6,8 @@
    with no drain (the step is a loop of small torch ops: Python-bound, as the
    per-step overhead of a real training loop is).
 3. Restore time from memory vs from local disk (the disk's files were just written:
-   they are read from the page cache, so this is a floor for the disk).
+   they are read from the page cache, so this is a floor for the disk) vs from the
+   loopback S3 server of the tests (moto, a Python process on the same cores).
 4. ``--hosts``: two "hosts" on this machine (two processes, each in a UTS namespace
    of its own with its own host name, needs root; gloo over loopback), one rank
    each: the snapshot's stall with ``replicas=1`` (replication in the background)
@@ -25,6 +26,7 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -170,6 +172,26 @@ def host_rows(size_mb: int, repeat: int) -> list[tuple[str, float, str]]:
              f"{b1 / state:.3f}x the peer's state (replicas=0: {b0} bytes of collectives)")]
 
 
+def s3_restore(state: dict[str, torch.Tensor], target: dict[str, torch.Tensor], repeat: int) -> float | None:
+    """Median restore time of the same state from a durable root on the loopback S3
+    server of the tests (moto); None when it cannot be started here."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.s3server import S3ServerUnavailable, s3_server
+
+    try:
+        with s3_server() as s3:
+            root = f"s3://{s3.new_bucket('tiers')}/root"
+            CheckpointManager(root, storage_options=s3.storage_options).save(state, 10**6)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = timed(lambda: CheckpointManager(root, storage_options=s3.storage_options).restore(target), repeat)
+            assert all(torch.equal(target[k], v) for k, v in state.items())
+            return t
+    except S3ServerUnavailable as e:
+        print(f"(no S3 row: {e})", file=sys.stderr)
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=256)
@@ -228,6 +250,9 @@ def main() -> None:
         assert all(torch.equal(target[k], v) for k, v in state.items())
         rows += [("restore from memory", t_rm, f"{t_rm / t_rd:.2f}x of disk"),
                  ("restore from local disk (page cache)", t_rd, "1x")]
+        t_rs = s3_restore(state, target, args.repeat)
+        if t_rs is not None:
+            rows.append(("restore from the loopback S3 server (moto)", t_rs, f"{t_rs / t_rd:.2f}x of disk"))
         mem._tiers.close()  # type: ignore[union-attr]
     finally:
         shutil.rmtree(work, ignore_errors=True)
