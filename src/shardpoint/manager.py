@@ -525,7 +525,8 @@ class CheckpointManager:
         assert self._tiers is not None
         if not blocking or overlap:
             raise UsageError(f"save(step={step}, blocking=False) with a memory tier: the snapshot is the fast path "
-                             "(blocking, to shared memory) and the durable write already runs in a helper; "
+                             "(it returns once the state is copied; its write to shared memory runs in the background) and the "
+                             "durable write runs in a helper; "
                              "call save(state, step)")
         return self._tiers.save(state, step, metrics=metrics, durable=self._preempt.is_set())
 
