@@ -386,7 +386,8 @@ class CheckpointManager:
         A checkpoint whose saved tensors hold a NaN or an infinity (recorded when it
         was saved) is passed over with a warning naming the step and its keys, and the
         newest healthy one before it is restored; so is one that ``accept`` rejects.
-        An explicit ``step`` is loaded as asked, healthy or not (with a warning).
+        An explicit ``step`` is loaded as asked, healthy or not (with a warning). With
+        a memory tier the same rules apply to its snapshots (docs/tiers.md).
 
         Args:
             fallback: when ``latest`` or the manifest of the checkpoint to resume from
@@ -532,25 +533,77 @@ class CheckpointManager:
 
     def _tiers_restore(self, state: Any, step: int | None, **kw: Any) -> TieredLoadReport | None:
         """The restore ladder: the newest memory snapshot the present hosts hold in full
-        between them, if at least as new as the durable resume point; else the durable
-        restore as without a memory tier. An explicit ``step`` is loaded from the root."""
+        between them that is fit to resume from (healthy, and accepted by ``accept``),
+        if at least as new as the step the root would resume from; else the durable
+        restore as without a memory tier. An explicit ``step`` is loaded from memory
+        when the hosts hold it in full, else from the root."""
         assert self._tiers is not None
         self._tiers.wait()
+        accept = kw["accept"]
+        memory = {k: kw[k] for k in ("only", "exclude", "strict")}
+        fit, newest = self._durable_choice(accept)
         if step is None:
-            try:
-                newest = self._resume_point()
-                durable = newest.step if newest is not None else None
-            except CorruptCheckpointError:  # the durable restore below says what is damaged
-                durable = max((i.step for i in self.list()), default=None)
-            got = self._tiers.restore_memory(state, durable, only=kw["only"], exclude=kw["exclude"], strict=kw["strict"])
+            got = self._tiers.restore_memory(state, fit, **memory, root_newest=newest,
+                                             judge=lambda s, e: _unhealthy(self._snapshot_info(s, e), accept))
+        else:
+            got = self._tiers.restore_memory(state, None, **memory, root_newest=newest, judge=lambda s, e: "",
+                                             step=step)
             if got is not None:
-                return got
-        with self._tiers.bypassed():
-            report = self.restore(state, step, **kw)
+                why = _unhealthy(self._snapshot_info(step, None), None)
+                if why:
+                    warnings.warn(f"shardpoint: restoring memory snapshot {step} as asked, although it holds {why}",
+                                  stacklevel=3)
+        if got is not None:
+            self._restored = got.step
+            return got
+        passed = dict(self._tiers.passed)
+        try:
+            with self._tiers.bypassed():
+                report = self.restore(state, step, **kw)
+        except CheckpointNotFoundError as e:
+            if step is None:
+                raise
+            raise CheckpointNotFoundError(f"{e}; memory snapshots the present hosts hold in full: "
+                                          f"{self._tiers.restorable}") from None
         self._tiers.after_durable_restore(report.step if report is not None else None)
         if report is None:
             return None
+        report.passed_over = {**passed, **report.passed_over}
         return TieredLoadReport.of(report, "durable", self.storage.child(self.step_dir(report.step or 0)).url)
+
+    def _durable_choice(self, accept: Callable[[CheckpointInfo], bool] | None) -> tuple[int | None, int | None]:
+        """The step a restore from the root would load (the newest fit one at or before
+        the resume point; None when none is fit), found without warnings (the durable
+        restore, when it runs, warns), and the resume point's step. A damaged resume
+        point: the newest listed step for both (the durable restore then says what is
+        damaged)."""
+        try:
+            newest = self._resume_point()
+        except CorruptCheckpointError:
+            last = max((i.step for i in self.list()), default=None)
+            return last, last
+        if newest is None:
+            return None, None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return self._healthy_from(newest, accept)[0].step, newest.step
+            except ShardpointError:  # nothing on the root is fit
+                return None, newest.step
+
+    def _snapshot_info(self, step: int, entry: Mapping[str, Any] | None) -> CheckpointInfo:
+        """A memory snapshot as a :class:`CheckpointInfo` (for ``accept`` and health):
+        from a host's inventory entry, or (None) from this host's copy of its manifest."""
+        assert self._tiers is not None
+        if entry is None:
+            man = read_manifest(self._tiers.area.storage(step))
+            entry = {"created": man.created, "world_size": man.world_size, "nonfinite": man.nonfinite,
+                     "metrics": man.metrics, "need": {}}
+        return CheckpointInfo(
+            step=step, path=self._tiers.area.storage(step).url,
+            time=datetime.fromtimestamp(float(entry.get("created") or 0.0), tz=timezone.utc),
+            size=sum(int(v) for v in (entry.get("need") or {}).values()), world_size=int(entry.get("world_size") or 0),
+            nonfinite=tuple(entry.get("nonfinite") or ()), metrics=dict(entry.get("metrics") or {}))
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from shardpoint import CheckpointManager
-from shardpoint.errors import UsageError
+from shardpoint.errors import CheckpointNotFoundError, UsageError
 from shardpoint.format.digest import unseal
 from shardpoint.format.manifest import MANIFEST_NAME
 from shardpoint.load.locate import read_manifest
@@ -135,6 +135,71 @@ def test_another_jobs_snapshots_are_never_used(tmp_path: Path, shm: Path, monkey
     c = CheckpointManager(root, memory=tier(shm, durable_every=100, job="job-a"))  # explicit identity: the same job
     report = c.restore(state(0.0))
     assert report is not None and report.step == 3
+
+
+def _poisoned_run(mgr: CheckpointManager) -> None:
+    """Steps 1-8 with a loss each; step 7's weights are NaN, step 8's loss spikes."""
+    for s in range(1, 9):
+        st = state(float(s))
+        if s == 7:
+            st["w"] = torch.full((1000,), float("nan"))
+        mgr.save(st, s, metrics={"loss": 1e6 if s == 8 else float(s)})
+    mgr.wait()
+
+
+def test_memory_snapshots_pass_health_and_accept(tmp_path: Path, shm: Path) -> None:
+    """The ladder applies what a durable restore applies to memory snapshots too: a
+    snapshot with NaN weights is passed over, and so is one ``accept`` rejects (a loss
+    spike), each warned and named in ``passed_over``; ``restore(step=N)`` loads a
+    snapshot held only in memory as asked (warning that it is unhealthy)."""
+    mgr = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3))
+    _poisoned_run(mgr)
+    assert [i.step for i in mgr.list()] == [5]
+    assert mgr._tiers.area.steps() == [6, 7, 8]  # type: ignore[union-attr]
+
+    target = state(0.0)
+    report = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(target)
+    assert report is not None and (report.step, report.tier, report.passed_over) == (8, "memory", {})  # type: ignore[attr-defined]
+
+    target = state(0.0)
+    with pytest.warns(UserWarning, match=r"restoring memory snapshot 7 as asked, although it holds non-finite.*'w'"):
+        report = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(target, step=7)
+    assert report is not None and (report.step, report.tier) == (7, "memory")  # type: ignore[attr-defined]
+    assert torch.isnan(target["w"]).all() and target["step"] == 7  # type: ignore[union-attr]
+    assert mgr._tiers.area.steps() == [6, 7]  # type: ignore[union-attr]  # 8: the abandoned future
+
+    mgr._tiers.area.remove(7)  # type: ignore[union-attr]
+    _poisoned_run(mgr)  # 6, 7 (NaN), 8 (spike) in memory again
+    target = state(0.0)
+    with pytest.warns(UserWarning) as seen:
+        report = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(
+            target, accept=lambda i: i.metrics["loss"] < 100)
+    assert report is not None and (report.step, report.tier) == (6, "memory")  # type: ignore[attr-defined]
+    assert torch.equal(target["w"], state(6.0)["w"])  # type: ignore[arg-type]
+    assert list(report.passed_over) == [8, 7], report.passed_over
+    assert "rejected" in report.passed_over[8] and "1000000.0" in report.passed_over[8]
+    assert "non-finite" in report.passed_over[7] and "'w'" in report.passed_over[7]
+    said = [str(w.message) for w in seen]
+    assert any("memory snapshot 8" in m and "rejected" in m for m in said), said
+    assert any("memory snapshot 7" in m and "non-finite" in m for m in said), said
+
+
+def test_memory_rejected_everywhere_falls_to_the_root(tmp_path: Path, shm: Path) -> None:
+    """When ``accept`` rejects every snapshot (and the root's newer steps), the durable
+    restore takes the newest step it accepts, and ``passed_over`` names the snapshots
+    too. An explicit step held nowhere raises, naming both tiers' steps."""
+    mgr = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3))
+    _poisoned_run(mgr)
+    target = state(0.0)
+    with pytest.warns(UserWarning):
+        report = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(
+            target, accept=lambda i: i.step <= 5)
+    assert report is not None and (report.step, report.tier) == (5, "durable")  # type: ignore[attr-defined]
+    assert torch.equal(target["w"], state(5.0)["w"])  # type: ignore[arg-type]
+    assert list(report.passed_over) == [8, 7, 6], report.passed_over
+    with pytest.raises(CheckpointNotFoundError, match=r"step 3 .*committed steps: \[5\]; memory snapshots the present "
+                       r"hosts hold in full: \[\]"):
+        CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(state(0.0), step=3)
 
 
 def _normalised(folder: Path) -> dict[str, object]:

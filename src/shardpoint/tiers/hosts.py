@@ -15,7 +15,7 @@ has in the checkpoint, its size, and for an index the SHA-256 its manifest recor
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +134,15 @@ class Candidate:
         return Candidate(int(d["step"]), str(d["save_id"]), list(d["fetch"]))
 
 
-def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable: int | None
+def unhealthy(step: int, entry: Mapping[str, Any]) -> str:
+    """Why a snapshot is not fit to resume from by its health alone ("" when it is)."""
+    if entry.get("healthy", True):
+        return ""
+    return f"it holds non-finite values in {list(entry.get('nonfinite', []))[:5]}"
+
+
+def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable: int | None,
+                 judge: Callable[[int, Mapping[str, Any]], str] = unhealthy,
                  ) -> tuple[list[Candidate], dict[int, str]]:
     """The steps restorable in full from what the present hosts hold, newest first, and
     the steps passed over with why.
@@ -142,10 +150,12 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
     ``inventories[h]`` is host ``h``'s: step (as a string) -> ``{"save_id", "healthy",
     "manifest" (its size), "need" ({name: size}), "have" ({name: [size, relpath]})}``,
     where ``save_id``/``manifest``/``need`` are None when the host holds no manifest of
-    that step. A step is restorable when some host holds a healthy manifest of it, it
-    is at least as new as ``durable``, and every file its manifest names is on some
-    host at its size. Files are fetched from the first host (by host order, rotating
-    over its ranks) that has them, into ``fetched/`` on each host that lacks them."""
+    that step. A step is restorable when some host holds a manifest of it that
+    ``judge(step, inventory entry)`` finds fit (it returns why not, "" when fit; by
+    default: healthy), it is at least as new as ``durable``, and every file its
+    manifest names is on some host at its size. Files are fetched from the first host
+    (by host order, rotating over its ranks) that has them, into ``fetched/`` on each
+    host that lacks them."""
     by_step: dict[tuple[int, str], list[int]] = {}  # (step, save id) -> hosts holding its manifest
     for h, inv in enumerate(inventories):
         for key, st in inv.items():
@@ -157,8 +167,9 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
         if durable is not None and step < durable:
             continue
         first = inventories[holders[0]][str(step)]
-        if not first.get("healthy", True):
-            passed[step] = f"it holds non-finite values in {first.get('nonfinite', [])[:5]}"
+        why = judge(step, first)
+        if why:
+            passed[step] = why
             continue
         need: dict[str, int] = dict(first["need"])
         need[MANIFEST_NAME] = int(first["manifest"])

@@ -270,9 +270,9 @@ class JobArea:
 
     def inventory(self) -> dict[str, dict[str, Any]]:
         """What this host holds, for the restore ladder over hosts: step (a string) ->
-        ``save_id``, ``healthy``, ``nonfinite``, ``manifest`` (its size), ``need`` (the
-        files the manifest names, with their sizes) and ``sha`` (the indexes' SHA-256),
-        all None/empty without a manifest, and ``have``: every file present in the step
+        ``save_id``, ``healthy``, ``nonfinite``, ``metrics``, ``created``, ``world_size``,
+        ``manifest`` (its size), ``need`` (the files the manifest names, with their
+        sizes) and ``sha`` (the indexes' SHA-256), all None/empty without a manifest, and ``have``: every file present in the step
         folder, its ``replicas/`` and ``fetched/``, as ``[size, relpath]`` (the step
         folder's own copy preferred). Temporary (half-written) files are never listed."""
         out: dict[str, dict[str, Any]] = {}
@@ -280,11 +280,12 @@ class JobArea:
             return out
         for step in self.steps():
             st = self.storage(step)
-            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "manifest": None,
-                                     "need": None, "sha": {}, "have": {}}
+            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "metrics": {}, "created": 0.0,
+                                     "world_size": 0, "manifest": None, "need": None, "sha": {}, "have": {}}
             try:
                 man = read_manifest(st)
                 entry.update(save_id=man.save_id, healthy=not man.nonfinite, nonfinite=list(man.nonfinite or []),
+                             metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
                              manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
                              need=needed(man.files),
                              sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()

@@ -54,6 +54,7 @@ from .hosts import (
     redrain_parts,
     replica_plan,
     restore_plan,
+    unhealthy,
 )
 from .replicate import transfer
 from .report import TieredLoadReport
@@ -124,6 +125,10 @@ class Tiers:
         #: The snapshot whose write and commit run in the background: its step and handle.
         self._snapshot: tuple[int, SaveHandle] | None = None
         self._created = False
+        #: The last :meth:`restore_memory`: snapshots passed over, with why (every rank).
+        self.passed: dict[int, str] = {}
+        #: The last :meth:`restore_memory`: the steps the present hosts held in full (every rank).
+        self.restorable: list[int] = []
 
     def _comm(self) -> Comm:
         return Comm(self.process_group, self.timeout)
@@ -408,12 +413,19 @@ class Tiers:
             self.bypass = False
 
     def restore_memory(self, state: Any, durable_step: int | None, *, only: list[str] | str | None,
-                       exclude: list[str] | str | None, strict: bool) -> TieredLoadReport | None:
-        """Load the newest snapshot the present hosts hold in full between them, if it
-        is at least as new as ``durable_step`` (rank 0's resume point on the root):
-        what a host lacks is fetched from a host that has it, then every rank loads
-        from its own host's folder. Collective. None: nothing loaded, restore from the
-        root."""
+                       exclude: list[str] | str | None, strict: bool,
+                       judge: Callable[[int, Mapping[str, Any]], str] = unhealthy,
+                       step: int | None = None, root_newest: int | None = None) -> TieredLoadReport | None:
+        """Load the newest snapshot the present hosts hold in full between them that
+        ``judge`` finds fit (by default: healthy; see :func:`.hosts.restore_plan`), if it
+        is at least as new as ``durable_step`` (the step the root would resume from),
+        or exactly ``step`` when given (``root_newest``: the newest step on the root, when
+        newer than ``durable_step``; a snapshot due for durability is drained again only
+        when newer): what a host lacks is fetched from a host that
+        has it, then every rank loads from its own host's folder. Collective. The
+        report's ``passed_over`` names the snapshots passed over, and why (warned).
+        None: nothing loaded, restore from the root; :attr:`passed` then says what was
+        passed over in memory and :attr:`restorable` which steps the hosts hold in full."""
         comm = self._comm()
         comm.arrive("tiers-restore", self._name)
         hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
@@ -422,39 +434,54 @@ class Tiers:
         plan = None
         if got is not None:
             invs = [got[hosts.leader(h)] for h in range(len(hosts))]
-            cands, passed = restore_plan(hosts, invs, durable_step)
-            for step, why in passed.items():
-                warnings.warn(f"shardpoint: not restoring memory snapshot {step}: {why}", stacklevel=3)
+            cands, passed = restore_plan(hosts, invs, durable_step, judge)
+            self.restorable = sorted(c.step for c in cands)
+            if step is not None:  # an explicit step: exactly that one, whatever is newer
+                cands, passed = [c for c in cands if c.step == step], {s: w for s, w in passed.items() if s == step}
             due = sorted({int(s) for inv in invs for s in inv if self.tier.due(int(s))[1]})
-            plan = []
+            wired: list[dict[str, Any]] = []
             for c in cands:
-                redrain = redrain_parts(hosts, invs, c, due, durable_step)
-                plan.append({**c.wire(), "redrain": None if redrain is None else
-                             [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
-        for c in comm.broadcast_json(plan):
-            cand = Candidate.from_wire(c)
+                redrain = redrain_parts(hosts, invs, c, due, durable_step if root_newest is None else root_newest)
+                wired.append({**c.wire(), "redrain": None if redrain is None else
+                              [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
+            plan = {"passed": {str(s): w for s, w in passed.items()}, "restorable": self.restorable, "cands": wired}
+        plan = comm.broadcast_json(plan)
+        self.restorable = list(plan["restorable"])
+        self.passed = {}
+        unfit: dict[int, str] = {int(st): str(why) for st, why in plan["passed"].items()}
+        ready: dict[int, dict[str, Any]] = {int(c["step"]): c for c in plan["cands"]}
+        for at in sorted({*unfit, *ready}, reverse=True):  # newest first; older ones are never reached
+            if at in unfit:
+                self._pass(at, unfit[at])
+                continue
+            wire = ready[at]
+            cand = Candidate.from_wire(wire)
             storage = self.area.storage(cand.step)
             try:
                 self._gather(comm, cand, storage, leader)
             except CollectiveMismatchError:
                 raise
             except ShardpointError as e:
-                warnings.warn(f"shardpoint: memory snapshot of step {cand.step} cannot be gathered on every host "
-                              f"({e}); trying an older one", stacklevel=3)
+                self._pass(at, f"it cannot be gathered on every host ({e})")
                 continue
             reading = _Reading(storage)
             try:
                 report = load(state, reading, only=only, exclude=exclude, strict=strict,
                               process_group=self.process_group, timeout=self.timeout)
             except CorruptCheckpointError as e:
-                warnings.warn(f"shardpoint: memory snapshot of step {cand.step} cannot be loaded ({e}); trying an "
-                              "older one", stacklevel=3)
+                self._pass(at, f"it cannot be loaded ({e})")
                 continue
             report.step = cand.step
+            report.passed_over = dict(self.passed)
             pieces = {n: self.area.origin(cand.step, n) for n in sorted(reading.names) if n != MANIFEST_NAME}
-            self._after_memory_restore(comm, cand.step, c.get("redrain"))
+            self._after_memory_restore(comm, cand.step, wire.get("redrain"))
             return TieredLoadReport.of(report, "memory", storage.inner.root, pieces)
         return None
+
+    def _pass(self, step: int, why: str) -> None:
+        """A snapshot the ladder does not restore: noted in :attr:`passed`, and warned."""
+        self.passed[step] = why
+        warnings.warn(f"shardpoint: not restoring memory snapshot {step}: {why}; trying an older one", stacklevel=4)
 
     def _gather(self, comm: Comm, cand: Candidate, storage: PrivateStorage, leader: bool) -> None:
         """Give every present host every file of ``cand`` (collective): the fetches, then
