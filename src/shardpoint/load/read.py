@@ -33,12 +33,6 @@ _Bytes = bytes | bytearray | memoryview
 
 #: Threads that read and verify chunks in parallel.
 IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))
-#: A job whose bytes are at most this many is read together with its neighbours in the file.
-_SMALL = 1 << 20
-#: Most bytes one batched read covers.
-_BATCH = 8 << 20
-#: Bytes of one piece of a large read straight into its target (see :meth:`Reader._pieces`).
-_PIECE_DIRECT = 4 << 20
 #: Largest single read while checksumming a whole chunk (verify, export).
 _PIECE = 8 << 20
 
@@ -171,9 +165,11 @@ class Reader:
         """One task per large job; small jobs next to each other in a file, one task per batch."""
         tasks: list[Callable[[], int]] = []
         small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
+        batch = self.storage.read_batch
+        small_max = batch // 8
         for j in jobs:
             a, b = self._span(j.loc, j.lo, j.hi)
-            if b - a <= _SMALL:
+            if b - a <= small_max:
                 small.append((j.loc.file, j.loc.offset + a, j.loc.offset + b, a, j))
             else:
                 tasks += [partial(self._one, p) for p in self._pieces(j)]
@@ -182,7 +178,7 @@ class Reader:
         while i < len(small):
             fname, start, end = small[i][0], small[i][1], small[i][2]
             k = i + 1
-            while k < len(small) and small[k][0] == fname and small[k][1] <= end and small[k][2] - start <= _BATCH:
+            while k < len(small) and small[k][0] == fname and small[k][1] <= end and small[k][2] - start <= batch:
                 end = max(end, small[k][2])
                 k += 1
             members = small[i:k]
@@ -192,11 +188,14 @@ class Reader:
 
     def _pieces(self, j: ReadJob) -> list[ReadJob]:
         """A large job straight into a contiguous CPU target, cut at checksum block
-        boundaries into pieces of about :data:`_PIECE_DIRECT` bytes: each piece's
-        CRCs are computed right after its read, while its bytes are still in the CPU's
-        cache, and the pieces of one tensor are read in parallel."""
-        dst, size = j.dst, j.dst.element_size()
-        step = max(1, _PIECE_DIRECT // self.block) * self.block
+        boundaries into pieces of about the storage's ``read_piece`` bytes: each
+        piece's CRCs are computed right after its read, while its bytes are still in
+        the CPU's cache, and the pieces of one tensor are read in parallel. Whole on
+        a storage that takes a range in one call (an object store: a request each)."""
+        dst, size, piece = j.dst, j.dst.element_size(), self.storage.read_piece
+        if piece is None:
+            return [j]
+        step = max(1, piece // self.block) * self.block
         if not (j.contiguous and dst.dtype == j.dtype and dst.device.type == "cpu" and dst.is_contiguous()) \
                 or step % size or j.hi - j.lo <= step:
             return [j]

@@ -32,6 +32,19 @@ class Storage(ABC):
     #: The location as the user gave it (a path or URL), for messages.
     url: str
 
+    #: The most bytes a load asks for in one :meth:`read_into` of a large tensor: it is
+    #: read in pieces of this size (on a local disk each piece is checksummed while
+    #: its bytes are still in the CPU's cache). None: the whole range in one call (an
+    #: object store, which splits a large range into concurrent requests itself and
+    #: pays a round trip per call).
+    read_piece: int | None = 4 << 20
+
+    #: The most bytes one read of neighbouring small chunks covers: a load reads chunks
+    #: of at most ``read_batch // 8`` bytes that lie next to each other in a file with
+    #: one call (a few microseconds a chunk locally; one request instead of many on an
+    #: object store) and places them from that buffer.
+    read_batch: int = 8 << 20
+
     @abstractmethod
     def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         """Write ``parts`` in order to ``name`` and make it durable before returning
@@ -104,6 +117,7 @@ class Delegating(Storage):
 
     def __init__(self, inner: Storage) -> None:
         self.inner, self.url = inner, inner.url
+        self.read_piece, self.read_batch = inner.read_piece, inner.read_batch
 
     def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         return self.inner.write_file(name, parts)

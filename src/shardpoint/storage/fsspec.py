@@ -137,6 +137,11 @@ class FsspecStorage(Storage):
             fs, root = _fs, _fs._strip_protocol(url)
         self.fs = fs
         self.root: str = root.rstrip("/") or root
+        # S3 splits a large range into concurrent ranged GETs itself; another filesystem
+        # reads a range through memory, a block at a time. A request costs a round trip:
+        # neighbouring chunks of up to 8 MiB are fetched together, a block at a time
+        self.read_piece = None if self._s3() is not None else BLOCK_SIZE
+        self.read_batch = BLOCK_SIZE
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
