@@ -316,18 +316,19 @@ class Reader:
 
 def read_verified(storage: Storage, loc: ChunkLoc, block: int, on_bad: Callable[[int], None] | None = None,
                   ) -> Iterator[bytes | bytearray]:
-    """A whole chunk's bytes in pieces of at most 8 MiB (memory stays bounded whatever
-    a damaged manifest claims), each checksum block checked once it is complete. A
+    """A whole chunk's bytes in pieces of at most 8 MiB (an object store's
+    ``read_batch``: a request each; memory stays bounded whatever a damaged manifest claims), each checksum block checked once it is complete. A
     block that does not match calls ``on_bad(block number)``, or raises
     :class:`CorruptCheckpointError` without it. A short file raises it too."""
     n = loc.length
+    piece = _PIECE if storage.read_piece is not None else max(_PIECE, storage.read_batch)  # a request per piece
     if n == 0 and loc.crc32[0] != 0:
         _bad(on_bad, loc, 0, 0, 0)
     for k, start in enumerate(range(0, n, block)):
         end = min(start + block, n)
         crc = 0
-        for p in range(start, end, _PIECE):
-            q = min(p + _PIECE, end)
+        for p in range(start, end, piece):
+            q = min(p + piece, end)
             data = storage.read(loc.file, loc.offset + p, q - p)
             if len(data) != q - p:
                 raise CorruptCheckpointError(f"short read at byte {loc.offset + p} of {loc.file}: the file is truncated")
