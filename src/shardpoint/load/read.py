@@ -316,10 +316,11 @@ class Reader:
 
 def read_verified(storage: Storage, loc: ChunkLoc, block: int, on_bad: Callable[[int], None] | None = None,
                   ) -> Iterator[bytes | bytearray]:
-    """A whole chunk's bytes in pieces of at most 8 MiB (an object store's
-    ``read_batch``: a request each; memory stays bounded whatever a damaged manifest claims), each checksum block checked once it is complete. A
-    block that does not match calls ``on_bad(block number)``, or raises
-    :class:`CorruptCheckpointError` without it. A short file raises it too."""
+    """A whole chunk's bytes in pieces of at most 8 MiB (on an object store its
+    ``read_batch``, a request each; memory stays bounded whatever a damaged manifest
+    claims), each checksum block checked once it is complete. A block that does not
+    match calls ``on_bad(block number)``, or raises :class:`CorruptCheckpointError`
+    without it. A short file raises it too."""
     n = loc.length
     piece = _PIECE if storage.read_piece is not None else max(_PIECE, storage.read_batch)  # a request per piece
     if n == 0 and loc.crc32[0] != 0:

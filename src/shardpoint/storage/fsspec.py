@@ -139,7 +139,7 @@ class FsspecStorage(Storage):
         self.root: str = root.rstrip("/") or root
         # S3 splits a large range into concurrent ranged GETs itself; another filesystem
         # reads a range through memory, a block at a time. A request costs a round trip:
-        # neighbouring chunks of up to 8 MiB are fetched together, a block at a time
+        # neighbouring chunks of up to 1/8 of a block are fetched together, a block per request
         self.read_piece = None if self._s3() is not None else BLOCK_SIZE
         self.read_batch = BLOCK_SIZE
 

@@ -272,9 +272,10 @@ class JobArea:
         """What this host holds, for the restore ladder over hosts: step (a string) ->
         ``save_id``, ``healthy``, ``nonfinite``, ``metrics``, ``created``, ``world_size``,
         ``manifest`` (its size), ``need`` (the files the manifest names, with their
-        sizes) and ``sha`` (the indexes' SHA-256), all None/empty without a manifest, and ``have``: every file present in the step
-        folder, its ``replicas/`` and ``fetched/``, as ``[size, relpath]`` (the step
-        folder's own copy preferred). Temporary (half-written) files are never listed."""
+        sizes) and ``sha`` (the indexes' SHA-256), all None/empty without a manifest,
+        and ``have``: every file present in the step folder, its ``replicas/`` and
+        ``fetched/``, as ``[size, relpath]`` (the step folder's own copy preferred).
+        Temporary (half-written) files are never listed."""
         out: dict[str, dict[str, Any]] = {}
         if not self.owned():
             return out

@@ -419,11 +419,12 @@ class Tiers:
         """Load the newest snapshot the present hosts hold in full between them that
         ``judge`` finds fit (by default: healthy; see :func:`.hosts.restore_plan`), if it
         is at least as new as ``durable_step`` (the step the root would resume from),
-        or exactly ``step`` when given (``root_newest``: the newest step on the root, when
-        newer than ``durable_step``; a snapshot due for durability is drained again only
-        when newer): what a host lacks is fetched from a host that
-        has it, then every rank loads from its own host's folder. Collective. The
-        report's ``passed_over`` names the snapshots passed over, and why (warned).
+        or exactly ``step`` when given: what a host lacks is fetched from a host that
+        has it, then every rank loads from its own host's folder. Collective. A
+        snapshot due for durability that the root lacks is drained again only when
+        newer than ``root_newest`` (the root's newest step; ``durable_step`` when
+        None). The report's ``passed_over`` names the snapshots passed over, and why
+        (warned).
         None: nothing loaded, restore from the root; :attr:`passed` then says what was
         passed over in memory and :attr:`restorable` which steps the hosts hold in full."""
         comm = self._comm()
@@ -435,7 +436,7 @@ class Tiers:
         if got is not None:
             invs = [got[hosts.leader(h)] for h in range(len(hosts))]
             cands, passed = restore_plan(hosts, invs, durable_step, judge)
-            self.restorable = sorted(c.step for c in cands)
+            restorable = sorted(c.step for c in cands)
             if step is not None:  # an explicit step: exactly that one, whatever is newer
                 cands, passed = [c for c in cands if c.step == step], {s: w for s, w in passed.items() if s == step}
             due = sorted({int(s) for inv in invs for s in inv if self.tier.due(int(s))[1]})
@@ -444,7 +445,7 @@ class Tiers:
                 redrain = redrain_parts(hosts, invs, c, due, durable_step if root_newest is None else root_newest)
                 wired.append({**c.wire(), "redrain": None if redrain is None else
                               [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
-            plan = {"passed": {str(s): w for s, w in passed.items()}, "restorable": self.restorable, "cands": wired}
+            plan = {"passed": {str(s): w for s, w in passed.items()}, "restorable": restorable, "cands": wired}
         plan = comm.broadcast_json(plan)
         self.restorable = list(plan["restorable"])
         self.passed = {}
