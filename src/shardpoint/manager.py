@@ -541,7 +541,7 @@ class CheckpointManager:
         self._tiers.wait()
         accept = kw["accept"]
         memory = {k: kw[k] for k in ("only", "exclude", "strict")}
-        fit, newest = self._durable_choice(accept)
+        fit, newest = self._durable_choice(accept if step is None else None)  # an explicit step: accept is not asked
         if step is None:
             got = self._tiers.restore_memory(state, fit, **memory, root_newest=newest,
                                              judge=lambda s, e: _unhealthy(self._snapshot_info(s, e), accept))

@@ -68,3 +68,41 @@ def test_memory_snapshot_restores_on_any_number_of_ranks(tmp_path: Path) -> None
                 assert torch.equal(r["values"][k], v), k
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _restore_with_a_failing_accept(rank: int, world: int, root: str, base: str) -> str:
+    m, opt, sched = build(1, world)
+    state = shardpoint.TrainState(model=m, optimizer=opt, scheduler=sched, step=0)
+    mgr = shardpoint.CheckpointManager(root, memory=MemoryTier(every=1, durable_every=100, path=base))
+    try:
+        mgr.restore(state, accept=lambda info: info.metrics["loss"] < 10)  # no step recorded a loss: KeyError
+    except KeyError as e:
+        return f"KeyError {e}"
+    except shardpoint.ShardpointError as e:
+        return f"ShardpointError {e}"
+    return "restored"
+
+
+def test_an_accept_that_raises_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
+    """Memory snapshots are judged by rank 0 alone (it holds every host's inventory):
+    a caller's ``accept`` that raises there is that rank's error, and every other
+    rank raises too, naming rank 0, at once rather than after the group's timeout."""
+    base = f"/dev/shm/shardpoint-test-{tmp_path.name}-{os.urandom(4).hex()}"
+    root = str(tmp_path / "root")
+    try:
+        run_ranks(_train_memory_only, 2, root, base, timeout=240)
+        got = run_ranks(_restore_with_a_failing_accept, 2, root, base, timeout=120,
+                        env={"SHARDPOINT_GROUP_TIMEOUT": "600"})
+        assert got[0] == "KeyError 'loss'", got
+        assert got[1].startswith("ShardpointError rank 0 could not choose a memory snapshot") and "KeyError" in got[1], got
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _train_memory_only(rank: int, world: int, root: str, base: str) -> None:
+    m, opt, sched = build(0, world)
+    mgr = shardpoint.CheckpointManager(root, memory=MemoryTier(every=1, durable_every=100, path=base))
+    for i in range(1, 3):
+        step(m, opt, sched, i, rank, world)
+        mgr.save(shardpoint.TrainState(model=m, optimizer=opt, scheduler=sched, step=i), i)
+    mgr.wait()

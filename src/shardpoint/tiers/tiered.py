@@ -432,21 +432,20 @@ class Tiers:
         hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
         leader = self._leader(comm)
         got = comm.gather_json(self.area.inventory() if leader else None)
-        plan = None
+        plan: dict[str, Any] | None = None
+        error: BaseException | None = None
         if got is not None:
-            invs = [got[hosts.leader(h)] for h in range(len(hosts))]
-            cands, passed = restore_plan(hosts, invs, durable_step, judge)
-            restorable = sorted(c.step for c in cands)
-            if step is not None:  # an explicit step: exactly that one, whatever is newer
-                cands, passed = [c for c in cands if c.step == step], {s: w for s, w in passed.items() if s == step}
-            due = sorted({int(s) for inv in invs for s in inv if self.tier.due(int(s))[1]})
-            wired: list[dict[str, Any]] = []
-            for c in cands:
-                redrain = redrain_parts(hosts, invs, c, due, durable_step if root_newest is None else root_newest)
-                wired.append({**c.wire(), "redrain": None if redrain is None else
-                              [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
-            plan = {"passed": {str(s): w for s, w in passed.items()}, "restorable": restorable, "cands": wired}
+            try:
+                plan = self._plan(hosts, got, durable_step, judge, step, root_newest)
+            except Exception as e:  # noqa: BLE001 - a caller's accept= may raise: every rank hears of it
+                error = e
+                plan = {"error": f"{type(e).__name__}: {e}"}
         plan = comm.broadcast_json(plan)
+        if "error" in plan:
+            if error is not None:
+                raise error
+            raise ShardpointError(f"rank 0 could not choose a memory snapshot to restore ({plan['error']}); "
+                                  "see rank 0's error")
         self.restorable = list(plan["restorable"])
         self.passed = {}
         unfit: dict[int, str] = {int(st): str(why) for st, why in plan["passed"].items()}
@@ -478,6 +477,25 @@ class Tiers:
             self._after_memory_restore(comm, cand.step, wire.get("redrain"))
             return TieredLoadReport.of(report, "memory", storage.inner.root, pieces)
         return None
+
+    def _plan(self, hosts: Hosts, got: list[Any], durable_step: int | None,
+              judge: Callable[[int, Mapping[str, Any]], str], step: int | None,
+              root_newest: int | None) -> dict[str, Any]:
+        """Rank 0: from every host's inventory, the snapshots passed over (why), the
+        steps held in full, and the candidates in order with their re-drains (JSON,
+        for every rank)."""
+        invs = [got[hosts.leader(h)] for h in range(len(hosts))]
+        cands, passed = restore_plan(hosts, invs, durable_step, judge)
+        restorable = sorted(c.step for c in cands)
+        if step is not None:  # an explicit step: exactly that one, whatever is newer
+            cands, passed = [c for c in cands if c.step == step], {s: w for s, w in passed.items() if s == step}
+        due = sorted({int(s) for inv in invs for s in inv if self.tier.due(int(s))[1]})
+        wired: list[dict[str, Any]] = []
+        for c in cands:
+            redrain = redrain_parts(hosts, invs, c, due, durable_step if root_newest is None else root_newest)
+            wired.append({**c.wire(), "redrain": None if redrain is None else
+                          [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
+        return {"passed": {str(s): w for s, w in passed.items()}, "restorable": restorable, "cands": wired}
 
     def _pass(self, step: int, why: str) -> None:
         """A snapshot the ladder does not restore: noted in :attr:`passed`, and warned."""
