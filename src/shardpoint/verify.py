@@ -24,7 +24,7 @@ from .format.datafile import header_length, parse_header
 from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest
 from .load.locate import Locator, read_manifest
-from .load.read import IO_THREADS, read_verified
+from .load.read import io_threads, read_verified
 from .plan.read import tiling_problem
 from .storage import Storage, storage_for
 
@@ -139,7 +139,7 @@ def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str,
         if t.locs is not None:
             jobs += _check_tensor(storage, manifest.crc_block, t, sizes, res)
     if jobs:
-        with ThreadPoolExecutor(max_workers=max(1, min(IO_THREADS, len(jobs)))) as ex:
+        with ThreadPoolExecutor(max_workers=max(1, min(io_threads(storage), len(jobs)))) as ex:
             for nbytes, problem in ex.map(lambda j: j(), jobs):
                 res.checked_bytes += nbytes
                 if problem is not None:

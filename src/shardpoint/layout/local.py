@@ -87,19 +87,26 @@ def _local_box_cached(
     return tuple(int(s) for s in local_shape), tuple(int(o) for o in offset)
 
 
-def _dtensor_chunks(key: str, dt: DTensor) -> LocalChunks:
+@functools.cache
+def _box_placements() -> tuple[type, ...]:
     from torch.distributed.tensor import Replicate, Shard
 
+    return Shard, Replicate
+
+
+def _dtensor_chunks(key: str, dt: DTensor) -> LocalChunks:
     placements = tuple(dt.placements)
     for p in placements:
-        if type(p) not in (Shard, Replicate):
+        if type(p) not in _box_placements():
             raise UsageError(
                 f"key {key!r}: DTensor placement {p} is not supported; only Shard(d) and Replicate keep each "
                 "rank's piece one box. Call .redistribute() to Shard/Replicate (or .full_tensor()) before saving"
             )
     shape = tuple(dt.shape)
     local_shape, offset = _local_box(shape, dt.device_mesh, placements)
-    local = dt.to_local().detach()
+    # DTensor's own attribute: to_local() is an autograd call (~10 us a tensor) for the same storage
+    inner = getattr(dt, "_local_tensor", None)
+    local = (inner if isinstance(inner, torch.Tensor) else dt.to_local()).detach()
     if tuple(local.shape) != tuple(local_shape):
         raise UsageError(
             f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "

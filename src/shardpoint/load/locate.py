@@ -5,6 +5,7 @@ of its bytes (:class:`~shardpoint.format.chunks.ChunkLoc`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -131,6 +132,7 @@ class Locator:
     storage: Storage
     manifest: Manifest
     _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
+    _files: dict[int, tuple[str, dict[str, Located]]] = field(default_factory=dict)  # saving rank -> its file, index
 
     def __post_init__(self) -> None:
         self.storage = with_refs(self.storage, self.manifest)  # a reference reads from its sibling folder
@@ -142,10 +144,14 @@ class Locator:
         its box."""
         loc = chunk.loc
         if loc is None:
-            fname, _ = self.manifest.file_end(chunk, spec.key)
-            idx = self._indexes.get(fname)
-            if idx is None:
-                idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
+            at = self._files.get(chunk.rank)
+            if at is None:
+                fname, _ = self.manifest.file_end(chunk, spec.key)
+                idx = self._indexes.get(fname)
+                if idx is None:
+                    idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
+                at = self._files[chunk.rank] = (fname, idx)
+            fname, idx = at
             name = chunk_name(spec.key, chunk.box.offsets, per_rank)
             got = idx.get(name)
             if got is None:
@@ -154,7 +160,7 @@ class Locator:
                     f"{DAMAGED_FIX}"
                 )
             loc = ChunkLoc(got.ref or fname, got.offset, got.length, got.crc32)
-        if check_length and loc.length != chunk.box.numel * spec.itemsize:
+        if check_length and loc.length != math.prod(chunk.box.sizes) * spec.itemsize:
             raise CorruptCheckpointError(
                 f"key {spec.key!r}: a chunk in {loc.file} is {loc.length} bytes but its box holds "
                 f"{chunk.box.numel} x {spec.itemsize} bytes; the manifest is damaged. {DAMAGED_FIX}"

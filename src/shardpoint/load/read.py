@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import CorruptCheckpointError, ShardpointError
+from ..errors import CorruptCheckpointError, ShardpointError, UsageError
 from ..format.boxes import Box
 from ..format.chunks import ChunkLoc, TensorSpec
 from ..format.datafile import crc32
@@ -27,12 +27,22 @@ from ..plan.read import plan_reads, tiling_problem
 from ..storage import Storage
 from .locate import Locator
 
-__all__ = ["IO_THREADS", "ReadJob", "Reader", "Target", "plan_jobs", "read_verified"]
+__all__ = ["ReadJob", "Reader", "Target", "io_threads", "plan_jobs", "read_verified"]
 
 _Bytes = bytes | bytearray | memoryview
 
-#: Threads that read and verify chunks in parallel.
-IO_THREADS = int(os.environ.get("SHARDPOINT_IO_THREADS", 4))
+
+
+def io_threads(storage: Storage) -> int:
+    """Threads that read and verify chunks in parallel: ``SHARDPOINT_IO_THREADS`` when
+    set, else what suits the storage (:attr:`Storage.read_threads`)."""
+    env = os.environ.get("SHARDPOINT_IO_THREADS", "")
+    try:
+        return max(1, int(env)) if env else max(1, storage.read_threads)
+    except ValueError:
+        raise UsageError(f"SHARDPOINT_IO_THREADS={env!r} is not a whole number; set it to the reads per rank, "
+                         "or unset it") from None
+
 #: Largest single read while checksumming a whole chunk (verify, export).
 _PIECE = 8 << 20
 
@@ -76,42 +86,70 @@ class ReadJob(NamedTuple):
     dst: torch.Tensor
 
 
+class _Step(NamedTuple):
+    """One read operation of a target, in elements and independent of the tensor's
+    dtype and place: tensors of one layout and one local box share their steps."""
+
+    source: int
+    target: int
+    region: Box
+    first: int
+    last: int
+    contiguous: bool
+    narrows: tuple[tuple[int, int, int], ...]
+    """``(dim, start, length)`` that cut the region out of the target's view."""
+
+
+def _steps(spec: TensorSpec, boxes: list[Box], targets: list[Box]) -> list[_Step]:
+    """The read plan of one target (:func:`~shardpoint.plan.read.plan_reads`), checked."""
+    if spec.listed:
+        why = tiling_problem(boxes, spec.shape)
+        if why is not None:
+            raise CorruptCheckpointError(f"key {spec.key!r}: {why} in the manifest; the checkpoint is damaged")
+    try:
+        ops = plan_reads(boxes, targets)
+    except ValueError:
+        raise CorruptCheckpointError(f"key {spec.key!r}: the checkpoint's chunks do not cover the tensor") from None
+    steps = []
+    for op in ops:
+        tbox = targets[op.target]
+        narrows = () if op.region == tbox else tuple(
+            (d, r - o, n) for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes,
+                                                               tbox.sizes)) if n != m)
+        steps.append(_Step(op.source, op.target, op.region, op.first, op.last, op.runs == 1, narrows))
+    return steps
+
+
 def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     """The read plan of every target (:func:`~shardpoint.plan.read.plan_reads`), each
-    operation located (:meth:`Locator.locate`) and made a job."""
+    operation located (:meth:`Locator.locate`) and made a job. Targets of one layout
+    (its key names the shape and the saved boxes) and the same local boxes (a
+    parameter and its optimizer moments) are planned once."""
     jobs: list[ReadJob] = []
+    known: dict[tuple[str, tuple[Box, ...]], list[_Step]] = {}
     for t in targets:
         spec = t.spec
         if t.fresh is not None:
             t.fresh.tensor = _allocate(spec, locator)
             t = t._replace(views=[t.fresh.tensor])
         chunks = spec.chunks()
-        boxes = [c.box for c in chunks]
-        if spec.listed:
-            why = tiling_problem(boxes, spec.shape)
-            if why is not None:
-                raise CorruptCheckpointError(f"key {spec.key!r}: {why} in the manifest; the checkpoint is damaged")
-        try:
-            ops = plan_reads(boxes, t.boxes)
-        except ValueError:
-            raise CorruptCheckpointError(f"key {spec.key!r}: the checkpoint's chunks do not cover the tensor") from None
+        memo = None if spec.listed or spec.layout is None else (spec.layout, tuple(t.boxes))
+        steps = known.get(memo) if memo is not None else None
+        if steps is None:
+            steps = _steps(spec, [c.box for c in chunks], t.boxes)
+            if memo is not None:
+                known[memo] = steps
         located: dict[int, ChunkLoc] = {}
-        views: dict[int, torch.Tensor] = {}
-        size, dtype = spec.itemsize, spec.dtype
-        for op in ops:
-            loc = located.get(op.source)
+        size, dtype, key = spec.itemsize, spec.dtype, spec.key
+        for st in steps:
+            loc = located.get(st.source)
             if loc is None:
-                loc = located[op.source] = locator.locate(spec, chunks[op.source], t.per_rank)
-            dst = views.get(op.target)
-            if dst is None:  # a parameter may require grad: write its data
-                dst = views[op.target] = t.views[op.target].detach()
-            tbox = t.boxes[op.target]
-            if op.region != tbox:
-                for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes, tbox.sizes)):
-                    if n != m:
-                        dst = dst.narrow(d, r - o, n)
-            jobs.append(ReadJob(spec.key, loc, chunks[op.source].box, op.region, op.first * size, op.last * size,
-                                op.runs == 1, dtype, dst))
+                loc = located[st.source] = locator.locate(spec, chunks[st.source], t.per_rank)
+            dst = t.views[st.target].detach()  # a parameter may require grad: write its data
+            for d, start, n in st.narrows:
+                dst = dst.narrow(d, start, n)
+            jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, st.first * size, st.last * size,
+                                st.contiguous, dtype, dst))
     return jobs
 
 
@@ -151,10 +189,11 @@ class Reader:
         if not tasks:
             return
         try:
-            if len(tasks) == 1 or IO_THREADS <= 1:
+            threads = io_threads(self.storage)
+            if len(tasks) == 1 or threads <= 1:
                 self.bytes_read += sum(t() for t in tasks)
                 return
-            with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(tasks))) as ex:
+            with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as ex:
                 self.bytes_read += sum(ex.map(lambda t: t(), tasks))
         finally:
             for d in self._devices:  # the targets hold their bytes when the load returns

@@ -45,6 +45,10 @@ class Storage(ABC):
     #: object store) and places them from that buffer.
     read_batch: int = 8 << 20
 
+    #: Reads a load runs at once on each rank (``SHARDPOINT_IO_THREADS`` overrides it):
+    #: enough to hide an object store's round trips.
+    read_threads: int = 4
+
     @abstractmethod
     def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         """Write ``parts`` in order to ``name`` and make it durable before returning
@@ -117,7 +121,7 @@ class Delegating(Storage):
 
     def __init__(self, inner: Storage) -> None:
         self.inner, self.url = inner, inner.url
-        self.read_piece, self.read_batch = inner.read_piece, inner.read_batch
+        self.read_piece, self.read_batch, self.read_threads = inner.read_piece, inner.read_batch, inner.read_threads
 
     def write_file(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         return self.inner.write_file(name, parts)

@@ -63,6 +63,7 @@ class LocalStorage(Storage):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(path))
         self.url = self.root
+        self.read_threads = local_read_threads()
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, check_name(name))
@@ -208,3 +209,20 @@ class LocalStorage(Storage):
             return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
         except FileNotFoundError:
             return []
+
+
+def local_read_threads() -> int:
+    """Parallel reads per rank on a local disk: this rank's share of the cores it may
+    run on (the ranks on this host: ``LOCAL_WORLD_SIZE``, which torchrun sets), at
+    least 1 and at most 4. A read from the page cache is a copy by the CPU, so reads
+    beyond the cores only wait for each other (on 2 cores, 2 ranks with 4 threads
+    each load 1.2x slower than with 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cores // local))
