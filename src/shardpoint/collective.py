@@ -57,6 +57,9 @@ _ABORT = 1 << 40
 #: collective completes; the slices only bound how late a closed channel is seen).
 _POLL = timedelta(seconds=0.25)
 
+#: Bytes of each rank's payload that the first all-gather of :meth:`Comm.all_gather_json`
+#: carries (an agreement's verdict and a small payload: one collective, not two).
+INLINE = 512
 
 
 def _dist() -> ModuleType | None:
@@ -528,20 +531,35 @@ class Comm:
         return self.dist
 
     def all_gather_json(self, obj: object) -> list[Any]:
-        """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+        """Every rank's ``obj`` (JSON-serialisable), in rank order. One all-gather of
+        :data:`INLINE` bytes per rank (each payload's size and its first bytes) carries
+        the small payloads of most calls whole; a second one of the largest payload's
+        remainder follows only when some rank's payload is longer."""
         if self.store is None:
             return [obj]
         data = json.dumps(obj, separators=(",", ":")).encode()
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self._run(self._td.all_gather, sizes, size)
-        n = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(n, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-        outs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
-        self._run(self._td.all_gather, outs, buf)
-        PROCESS.seams.traffic.add(8 * self.world + n * self.world)
-        return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(outs, sizes)]
+        first = bytearray(8 + INLINE)
+        first[:8] = len(data).to_bytes(8, "little")
+        head = data[:INLINE]
+        first[8 : 8 + len(head)] = head
+        outs = [torch.empty(8 + INLINE, dtype=torch.uint8) for _ in range(self.world)]
+        self._run(self._td.all_gather, outs, torch.frombuffer(first, dtype=torch.uint8))
+        raw = [bytes(o.numpy()) for o in outs]
+        sizes = [int.from_bytes(r[:8], "little") for r in raw]
+        big = max(sizes)
+        traffic = (8 + INLINE) * self.world
+        rest: list[bytes] = []
+        if big > INLINE:
+            extra = bytearray(big - INLINE)
+            tail = data[INLINE:]
+            extra[: len(tail)] = tail
+            more = [torch.empty(big - INLINE, dtype=torch.uint8) for _ in range(self.world)]
+            self._run(self._td.all_gather, more, torch.frombuffer(extra, dtype=torch.uint8))
+            rest = [bytes(o.numpy()) for o in more]
+            traffic += (big - INLINE) * self.world
+        PROCESS.seams.traffic.add(traffic)
+        return [json.loads(r[8 : 8 + min(n, INLINE)] + (rest[i][: n - INLINE] if n > INLINE else b""))
+                for i, (r, n) in enumerate(zip(raw, sizes))]
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
         """Element-wise OR of a uint8 vector over the ranks (data lane)."""

@@ -3,8 +3,8 @@
 
 1. locate (:mod:`.locate`): read the manifest; let the state's owners prepare; walk
    the local state and check its keys against the checkpoint (:mod:`.place`;
-   nothing is modified yet); agree.
-2. which checkpoint keys some rank holds (the rest may be created).
+   nothing is modified yet); agree, telling with the verdict
+2. which checkpoint keys each rank holds (those no rank holds may be created).
 3. read plan (:func:`.read.plan_jobs`, over :mod:`shardpoint.plan.read`): the byte
    ranges this rank reads for its targets; read (:class:`.read.Reader`): in
    parallel, verified; place (:mod:`.place`): every value in place, create what is
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .._gc import gc_paused
 from ..adapters import LoadHooks
@@ -49,20 +47,22 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
     select = _Selector(options.only, options.exclude)
     report = LoadReport()
     hooks = LoadHooks()
-    # 1. every rank: read the manifest, let the owners prepare, check the keys (nothing modified yet)
+    # 1. every rank: read the manifest, let the owners prepare, check the keys (nothing modified yet);
+    # 2. with the verdict, which checkpoint keys this rank holds (the ones no rank holds may be created)
     err: BaseException | None = None
     top: TreeLoad | None = None
     manifest: Manifest | None = None
+    holds: object = None
     try:
         manifest = read_manifest(storage)
         report.world_size = manifest.world_size
         top = _prepare(state, manifest, select, report, options.strict, comm.rank, hooks)
+        holds = _holds(top, manifest)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
-    agree(comm, None, err)
+    everyone = agree(comm, holds, err)
     assert top is not None and manifest is not None
-    # 2. which checkpoint keys some rank of this job holds (the rest may be created)
-    held = _held_anywhere(comm, top, manifest)
+    held = _held_anywhere(everyone, manifest, storage)
     # 3. every rank: read its share, fill in place, let the owners settle
     try:
         _read_and_fill(top, manifest, storage, select, report, options, held, comm.rank)
@@ -98,12 +98,35 @@ def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadRepo
     return top
 
 
-def _held_anywhere(comm: Comm, top: TreeLoad, manifest: Manifest) -> set[str]:
-    """The checkpoint keys that some rank's local state holds (collective)."""
+def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
+    """What this rank tells the others: the checkpoint it opened (its save id) and
+    which of its keys this rank's state holds ("" for all of them, else a bitmap over
+    the sorted keys, as hex)."""
+    local = top.walk.leaves.keys() | top.walk.per_rank.keys()
     names = sorted(manifest.tree.entries)
-    local = set(top.walk.leaves) | set(top.walk.per_rank)
-    flags = comm.any_true(torch.tensor([1 if k in local else 0 for k in names], dtype=torch.uint8))
-    return {k for k, f in zip(names, flags.tolist()) if f}
+    bits = [k in local for k in names]
+    if all(bits):
+        return [manifest.save_id, ""]
+    n = sum(1 << i for i, b in enumerate(bits) if b)
+    return [manifest.save_id, format(n, "x")]
+
+
+def _held_anywhere(everyone: list[Any], manifest: Manifest, storage: Storage) -> set[str]:
+    """The checkpoint keys that some rank's local state holds, from every rank's
+    :func:`_holds`; every rank must have opened the same checkpoint."""
+    names = sorted(manifest.tree.entries)
+    ids = {sid for sid, _bits in everyone}
+    if len(ids) > 1:
+        raise ShardpointError(
+            f"the ranks opened different checkpoints at {storage.url} (save ids {sorted(ids)}): a save with "
+            "overwrite=True replaced it while this load began; nothing was loaded. Load again"
+        )
+    if any(bits == "" for _sid, bits in everyone):
+        return set(names)
+    held = 0
+    for _sid, bits in everyone:
+        held |= int(bits, 16) if bits else 0
+    return {k for i, k in enumerate(names) if held >> i & 1}
 
 
 def _read_and_fill(top: TreeLoad, manifest: Manifest, storage: Storage, select: _Selector, report: LoadReport,

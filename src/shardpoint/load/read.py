@@ -153,6 +153,22 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     return jobs
 
 
+#: Chunks one scattered read takes at most.
+_RUN_MAX = 512
+
+
+def _straight(j: ReadJob) -> bool:
+    """Whether the job's bytes go straight into its target: one byte range into a
+    contiguous CPU tensor of the saved dtype."""
+    dst = j.dst
+    return j.contiguous and dst.dtype == j.dtype and dst.device.type == "cpu" and dst.is_contiguous()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, as a flat memoryview."""
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
 #: Tensors at least this large are allocated only after their files are seen to hold their bytes.
 _CHECK_BEFORE_ALLOC = 64 << 20
 
@@ -201,17 +217,28 @@ class Reader:
             self._devices.clear()
 
     def _tasks(self, jobs: Sequence[ReadJob]) -> list[Callable[[], int]]:
-        """One task per large job; small jobs next to each other in a file, one task per batch."""
+        """Whole chunks that lie one after another in a file and go straight into
+        their targets, one task per run of them (one scattered read); other large
+        jobs, one task each; other small jobs next to each other in a file, one task
+        per batch."""
         tasks: list[Callable[[], int]] = []
         small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
+        whole: list[ReadJob] = []
         batch = self.storage.read_batch
         small_max = batch // 8
+        piece = self.storage.read_piece
         for j in jobs:
+            if piece is not None and 0 < j.hi - j.lo <= piece and j.lo == 0 and j.hi == j.loc.length \
+                    and _straight(j):
+                whole.append(j)
+                continue
             a, b = self._span(j.loc, j.lo, j.hi)
             if b - a <= small_max:
                 small.append((j.loc.file, j.loc.offset + a, j.loc.offset + b, a, j))
             else:
                 tasks += [partial(self._one, p) for p in self._pieces(j)]
+        if piece is not None:
+            tasks += self._runs(whole, piece)
         small.sort(key=lambda s: (s[0], s[1]))
         i = 0
         while i < len(small):
@@ -224,6 +251,40 @@ class Reader:
             tasks.append(partial(self._batch, fname, start, end, members))
             i = k
         return tasks
+
+    def _runs(self, whole: list[ReadJob], piece: int) -> list[Callable[[], int]]:
+        """Whole chunks back to back in one file, about ``piece`` bytes a run at most
+        (their CRCs are computed while the bytes are still in the CPU's cache)."""
+        whole.sort(key=lambda j: (j.loc.file, j.loc.offset))
+        tasks: list[Callable[[], int]] = []
+        i = 0
+        while i < len(whole):
+            first = whole[i]
+            end = first.loc.offset + first.loc.length
+            k = i + 1
+            while k < len(whole) and k - i < _RUN_MAX and whole[k].loc.file == first.loc.file \
+                    and whole[k].loc.offset == end and end + whole[k].loc.length - first.loc.offset <= piece:
+                end += whole[k].loc.length
+                k += 1
+            tasks.append(partial(self._run_of, whole[i:k]))
+            i = k
+        return tasks
+
+    def _run_of(self, members: list[ReadJob]) -> int:
+        """Read whole chunks that lie back to back in a file straight into their
+        targets with one scattered read, then check each."""
+        if len(members) == 1:
+            return self._read_into(members[0], members[0].dst)
+        views = [_bytes_of(j.dst) for j in members]
+        first = members[0]
+        try:
+            self.storage.readv_into(first.loc.file, first.loc.offset, views)
+        except (CorruptCheckpointError, OSError):  # one at a time, to name the key whose bytes are missing
+            return sum(self._read_into(j, j.dst) for j in members)
+        if self.verify:
+            for j, v in zip(members, views):
+                self._check(j, 0, j.loc.length, 0, j.loc.length, b"", v, b"")
+        return sum(len(v) for v in views)
 
     def _pieces(self, j: ReadJob) -> list[ReadJob]:
         """A large job straight into a contiguous CPU target, cut at checksum block
@@ -307,7 +368,7 @@ class Reader:
         saved dtype, with no staging copy. To verify, the partial CRC blocks at the
         two ends are completed with small reads of their outer bytes (CRC-32 chains);
         returns the bytes read."""
-        view = dst.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        view = _bytes_of(dst)
         try:
             self.storage.read_into(j.loc.file, j.loc.offset + j.lo, view)
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too

@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError
 
@@ -74,6 +74,22 @@ class Storage(ABC):
         if len(data) != len(buf):
             raise CorruptCheckpointError(f"{name}: short read at byte {offset}; the file is truncated")
         buf[:] = data
+
+    def readv_into(self, name: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in order with the bytes of ``name`` from ``offset`` on (one range,
+        scattered). Here one :meth:`read` of the range and a copy into each buffer;
+        a local disk reads straight into them with one system call."""
+        if len(bufs) == 1:
+            self.read_into(name, offset, bufs[0])
+            return
+        total = sum(len(b) for b in bufs)
+        data = memoryview(self.read(name, offset, total))
+        if len(data) != total:
+            raise CorruptCheckpointError(f"{name}: short read at byte {offset}; the file is truncated")
+        at = 0
+        for b in bufs:
+            b[:] = data[at : at + len(b)]
+            at += len(b)
 
     @abstractmethod
     def exists(self, name: str) -> bool:

@@ -8,11 +8,14 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.names import check_name
 from .base import Storage, byte_view
+
+#: Buffers one preadv takes at most (Linux's IOV_MAX).
+_IOV_MAX = 1024
 
 
 def _fsync_dir(path: str) -> None:
@@ -169,6 +172,30 @@ class LocalStorage(Storage):
                         f"{offset + got}; the checkpoint is damaged (restore the file or use another checkpoint)"
                     )
                 got += n
+        finally:
+            os.close(fd)
+
+    def readv_into(self, name: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        path = self._path(name)
+        fd = _open_regular(path)
+        try:
+            pending, at = [b for b in bufs if len(b)], offset
+            while pending:
+                n = os.preadv(fd, pending[:_IOV_MAX], at)
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"data file {path} is truncated: it ends at byte {at}, before the "
+                        f"{sum(len(b) for b in pending)} bytes wanted from there; the checkpoint is damaged "
+                        "(restore the file or use another checkpoint)"
+                    )
+                at += n
+                done = 0
+                while done < len(pending) and n >= len(pending[done]):
+                    n -= len(pending[done])
+                    done += 1
+                pending = pending[done:]
+                if n:
+                    pending[0] = pending[0][n:]
         finally:
             os.close(fd)
 
