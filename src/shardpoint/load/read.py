@@ -84,6 +84,9 @@ class ReadJob(NamedTuple):
     dtype: torch.dtype
     """The saved dtype (``dst`` may have another: the copy converts)."""
     dst: torch.Tensor
+    out: memoryview | None = None
+    """The bytes of ``dst`` when the job goes straight into them: one byte range into
+    a contiguous CPU tensor of the saved dtype."""
 
 
 class _Step(NamedTuple):
@@ -140,28 +143,33 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             if memo is not None:
                 known[memo] = steps
         located: dict[int, ChunkLoc] = {}
+        bases: dict[int, tuple[torch.Tensor, memoryview | None]] = {}
         size, dtype, key = spec.itemsize, spec.dtype, spec.key
         for st in steps:
             loc = located.get(st.source)
             if loc is None:
                 loc = located[st.source] = locator.locate(spec, chunks[st.source], t.per_rank)
-            dst = t.views[st.target].detach()  # a parameter may require grad: write its data
+            base = bases.get(st.target)
+            if base is None:  # a parameter may require grad: write its data
+                view = t.views[st.target].detach()
+                whole = view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous()
+                base = bases[st.target] = (view, _bytes_of(view) if whole else None)
+            dst, out = base
             for d, start, n in st.narrows:
                 dst = dst.narrow(d, start, n)
-            jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, st.first * size, st.last * size,
-                                st.contiguous, dtype, dst))
+            lo, hi = st.first * size, st.last * size
+            if out is not None:
+                if not st.contiguous or (st.narrows and not dst.is_contiguous()):
+                    out = None
+                elif st.narrows:
+                    at = dst.data_ptr() - base[0].data_ptr()
+                    out = out[at : at + hi - lo]
+            jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, lo, hi, st.contiguous, dtype, dst, out))
     return jobs
 
 
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512
-
-
-def _straight(j: ReadJob) -> bool:
-    """Whether the job's bytes go straight into its target: one byte range into a
-    contiguous CPU tensor of the saved dtype."""
-    dst = j.dst
-    return j.contiguous and dst.dtype == j.dtype and dst.device.type == "cpu" and dst.is_contiguous()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -206,11 +214,12 @@ class Reader:
             return
         try:
             threads = io_threads(self.storage)
-            if len(tasks) == 1 or threads <= 1:
-                self.bytes_read += sum(t() for t in tasks)
-                return
-            with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as ex:
-                self.bytes_read += sum(ex.map(lambda t: t(), tasks))
+            with self.storage.keep_open():
+                if len(tasks) == 1 or threads <= 1:
+                    self.bytes_read += sum(t() for t in tasks)
+                    return
+                with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as ex:
+                    self.bytes_read += sum(ex.map(lambda t: t(), tasks))
         finally:
             for d in self._devices:  # the targets hold their bytes when the load returns
                 torch.cuda.synchronize(d)
@@ -228,8 +237,8 @@ class Reader:
         small_max = batch // 8
         piece = self.storage.read_piece
         for j in jobs:
-            if piece is not None and 0 < j.hi - j.lo <= piece and j.lo == 0 and j.hi == j.loc.length \
-                    and _straight(j):
+            if piece is not None and j.out is not None and 0 < j.hi - j.lo <= piece and j.lo == 0 \
+                    and j.hi == j.loc.length:
                 whole.append(j)
                 continue
             a, b = self._span(j.loc, j.lo, j.hi)
@@ -273,14 +282,14 @@ class Reader:
     def _run_of(self, members: list[ReadJob]) -> int:
         """Read whole chunks that lie back to back in a file straight into their
         targets with one scattered read, then check each."""
-        if len(members) == 1:
-            return self._read_into(members[0], members[0].dst)
-        views = [_bytes_of(j.dst) for j in members]
+        views = [j.out for j in members if j.out is not None]
+        if len(members) == 1 or len(views) != len(members):
+            return sum(self._read_into(j) for j in members)
         first = members[0]
         try:
             self.storage.readv_into(first.loc.file, first.loc.offset, views)
         except (CorruptCheckpointError, OSError):  # one at a time, to name the key whose bytes are missing
-            return sum(self._read_into(j, j.dst) for j in members)
+            return sum(self._read_into(j) for j in members)
         if self.verify:
             for j, v in zip(members, views):
                 self._check(j, 0, j.loc.length, 0, j.loc.length, b"", v, b"")
@@ -292,16 +301,17 @@ class Reader:
         piece's CRCs are computed right after its read, while its bytes are still in
         the CPU's cache, and the pieces of one tensor are read in parallel. Whole on
         a storage that takes a range in one call (an object store: a request each)."""
-        dst, size, piece = j.dst, j.dst.element_size(), self.storage.read_piece
-        if piece is None:
+        piece, out = self.storage.read_piece, j.out
+        if piece is None or out is None:
             return [j]
+        size = j.dst.element_size()
         step = max(1, piece // self.block) * self.block
-        if not (j.contiguous and dst.dtype == j.dtype and dst.device.type == "cpu" and dst.is_contiguous()) \
-                or step % size or j.hi - j.lo <= step:
+        if step % size or j.hi - j.lo <= step:
             return [j]
-        flat = dst.reshape(-1)
+        flat = j.dst.reshape(-1)
         cuts = [j.lo, *range((j.lo // step + 1) * step, j.hi, step), j.hi]
-        return [j._replace(lo=lo, hi=hi, dst=flat[(lo - j.lo) // size : (hi - j.lo) // size])
+        return [j._replace(lo=lo, hi=hi, dst=flat[(lo - j.lo) // size : (hi - j.lo) // size],
+                           out=out[lo - j.lo : hi - j.lo])
                 for lo, hi in zip(cuts[:-1], cuts[1:])]
 
     def _batch(self, fname: str, start: int, end: int, members: list[tuple[str, int, int, int, ReadJob]]) -> int:
@@ -317,13 +327,12 @@ class Reader:
     def _one(self, j: ReadJob) -> int:
         """One large job: straight into the target when it is one byte range of a
         contiguous CPU (or CUDA, through pinned memory) tensor of the saved dtype."""
+        if j.out is not None:
+            return self._read_into(j)
         dst = j.dst
-        on_gpu = dst.device.type == "cuda"
-        if j.contiguous and dst.dtype == j.dtype and (on_gpu or dst.device.type == "cpu") and dst.is_contiguous():
-            if not on_gpu:
-                return self._read_into(j, dst)
+        if j.contiguous and dst.dtype == j.dtype and dst.device.type == "cuda" and dst.is_contiguous():
             host = torch.empty(dst.shape, dtype=j.dtype, pin_memory=True)  # then to the device while the next reads run
-            n = self._read_into(j, host)
+            n = self._read_into(j, _bytes_of(host))
             self._to_device(dst, host)
             return n
         a, b = self._span(j.loc, j.lo, j.hi)
@@ -338,9 +347,8 @@ class Reader:
         dst, dtype = j.dst, j.dtype
         if j.region.numel == 0:
             return
-        if j.contiguous and dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous():
-            out = dst.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-            out[:] = data[j.lo - a : j.hi - a]
+        if j.out is not None:
+            j.out[:] = data[j.lo - a : j.hi - a]
             return
         src = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
         # the region inside the saved chunk, as a strided view of the bytes read
@@ -363,12 +371,14 @@ class Reader:
         self._devices.add(dst.device)
         dst.copy_(host, non_blocking=True)
 
-    def _read_into(self, j: ReadJob, dst: torch.Tensor) -> int:
-        """Bytes ``[lo, hi)`` of a chunk straight into a contiguous CPU tensor of the
-        saved dtype, with no staging copy. To verify, the partial CRC blocks at the
-        two ends are completed with small reads of their outer bytes (CRC-32 chains);
-        returns the bytes read."""
-        view = _bytes_of(dst)
+    def _read_into(self, j: ReadJob, view: memoryview | None = None) -> int:
+        """Bytes ``[lo, hi)`` of a chunk straight into ``view`` (the job's own bytes,
+        ``out``, by default), with no staging copy. To verify, the partial CRC blocks
+        at the two ends are completed with small reads of their outer bytes (CRC-32
+        chains); returns the bytes read."""
+        if view is None:
+            assert j.out is not None
+            view = j.out
         try:
             self.storage.read_into(j.loc.file, j.loc.offset + j.lo, view)
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too

@@ -12,6 +12,7 @@ import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from ..errors import CorruptCheckpointError
 
@@ -74,6 +75,11 @@ class Storage(ABC):
         if len(data) != len(buf):
             raise CorruptCheckpointError(f"{name}: short read at byte {offset}; the file is truncated")
         buf[:] = data
+
+    def keep_open(self) -> AbstractContextManager[None]:
+        """Within it, reads may keep each file open between calls (a load's many reads
+        of one data file open it once). Nothing here; a local disk keeps descriptors."""
+        return nullcontext()
 
     def readv_into(self, name: str, offset: int, bufs: Sequence[memoryview]) -> None:
         """Fill ``bufs`` in order with the bytes of ``name`` from ``offset`` on (one range,
@@ -150,6 +156,9 @@ class Delegating(Storage):
 
     def read_into(self, name: str, offset: int, buf: memoryview) -> None:
         self.inner.read_into(name, offset, buf)
+
+    def keep_open(self) -> AbstractContextManager[None]:
+        return self.inner.keep_open()
 
     def exists(self, name: str) -> bool:
         return self.inner.exists(name)

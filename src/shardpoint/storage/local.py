@@ -7,8 +7,10 @@ import builtins
 import os
 import shutil
 import stat
+import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.names import check_name
@@ -67,9 +69,52 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(os.fspath(path))
         self.url = self.root
         self.read_threads = local_read_threads()
+        self._paths: dict[str, str] = {}
+        self._open: dict[str, int] | None = None  # path -> descriptor, inside keep_open()
+        self._open_depth = 0
+        self._open_lock = threading.Lock()
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.root, check_name(name))
+        path = self._paths.get(name)
+        if path is None:
+            path = os.path.join(self.root, check_name(name))
+            if len(self._paths) < 1 << 16:
+                self._paths[name] = path
+        return path
+
+    @contextmanager
+    def keep_open(self) -> Iterator[None]:
+        """Reads inside it open each file once and keep the descriptor until it ends
+        (a file replaced meanwhile is still read as it was when first opened)."""
+        with self._open_lock:
+            self._open_depth += 1
+            if self._open is None:
+                self._open = {}
+        try:
+            yield
+        finally:
+            with self._open_lock:
+                self._open_depth -= 1
+                if self._open_depth == 0:
+                    fds, self._open = self._open or {}, None
+                    for fd in fds.values():
+                        os.close(fd)
+
+    def _acquire(self, path: str) -> tuple[int, bool]:
+        """A descriptor for reading ``path``, and whether the caller closes it (not
+        one kept open inside :meth:`keep_open`)."""
+        kept = self._open
+        if kept is None:
+            return _open_regular(path), True
+        fd = kept.get(path)
+        if fd is not None:
+            return fd, False
+        fd = _open_regular(path)
+        with self._open_lock:
+            if self._open is kept and path not in kept:
+                kept[path] = fd
+                return fd, False
+        return fd, True
 
     def _ensure_dir(self, path: str) -> None:
         if os.path.isdir(path):
@@ -137,7 +182,7 @@ class LocalStorage(Storage):
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         path = self._path(name)
-        fd = _open_regular(path)
+        fd, owned = self._acquire(path)
         try:
             size = os.fstat(fd).st_size
             if length is None:
@@ -157,11 +202,12 @@ class LocalStorage(Storage):
                 got += n
             return buf
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
 
     def read_into(self, name: str, offset: int, buf: memoryview) -> None:
         path = self._path(name)
-        fd = _open_regular(path)
+        fd, owned = self._acquire(path)
         try:
             got, length = 0, len(buf)
             while got < length:
@@ -173,11 +219,12 @@ class LocalStorage(Storage):
                     )
                 got += n
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
 
     def readv_into(self, name: str, offset: int, bufs: Sequence[memoryview]) -> None:
         path = self._path(name)
-        fd = _open_regular(path)
+        fd, owned = self._acquire(path)
         try:
             pending, at = [b for b in bufs if len(b)], offset
             while pending:
@@ -197,7 +244,8 @@ class LocalStorage(Storage):
                 if n:
                     pending[0] = pending[0][n:]
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self._path(name))
