@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import CorruptCheckpointError, ShardpointError, UsageError
-from ..format.boxes import Box
+from ..format.boxes import Box, box_runs
 from ..format.chunks import ChunkLoc, TensorSpec
 from ..format.datafile import crc32
 from ..plan.read import plan_reads, tiling_problem
@@ -83,10 +83,12 @@ class ReadJob(NamedTuple):
     """The region is exactly bytes ``[lo, hi)`` of the chunk (else a strided part of them)."""
     dtype: torch.dtype
     """The saved dtype (``dst`` may have another: the copy converts)."""
-    dst: torch.Tensor
+    dst: torch.Tensor | None
+    """The view to copy the region into (a conversion, a strided region, another
+    device); None when ``out`` holds its bytes."""
     out: memoryview | None = None
-    """The bytes of ``dst`` when the job goes straight into them: one byte range into
-    a contiguous CPU tensor of the saved dtype."""
+    """The target's bytes when the job goes straight into them: one byte range of the
+    chunk into one byte range of a contiguous CPU tensor of the saved dtype."""
 
 
 class _Step(NamedTuple):
@@ -101,6 +103,9 @@ class _Step(NamedTuple):
     contiguous: bool
     narrows: tuple[tuple[int, int, int], ...]
     """``(dim, start, length)`` that cut the region out of the target's view."""
+    span: int | None
+    """Where the region starts in the target's row-major layout (in elements) when it
+    is one contiguous range there and in the chunk; else None."""
 
 
 def _steps(spec: TensorSpec, boxes: list[Box], targets: list[Box]) -> list[_Step]:
@@ -119,7 +124,9 @@ def _steps(spec: TensorSpec, boxes: list[Box], targets: list[Box]) -> list[_Step
         narrows = () if op.region == tbox else tuple(
             (d, r - o, n) for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes,
                                                                tbox.sizes)) if n != m)
-        steps.append(_Step(op.source, op.target, op.region, op.first, op.last, op.runs == 1, narrows))
+        tfirst, _tlast, _run, truns = box_runs(op.region, tbox)
+        span = tfirst if op.runs == 1 and truns == 1 else None
+        steps.append(_Step(op.source, op.target, op.region, op.first, op.last, op.runs == 1, narrows, span))
     return steps
 
 
@@ -154,17 +161,16 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
                 view = t.views[st.target].detach()
                 whole = view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous()
                 base = bases[st.target] = (view, _bytes_of(view) if whole else None)
-            dst, out = base
-            for d, start, n in st.narrows:
-                dst = dst.narrow(d, start, n)
+            view, out = base
             lo, hi = st.first * size, st.last * size
-            if out is not None:
-                if not st.contiguous or (st.narrows and not dst.is_contiguous()):
-                    out = None
-                elif st.narrows:
-                    at = dst.data_ptr() - base[0].data_ptr()
-                    out = out[at : at + hi - lo]
-            jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, lo, hi, st.contiguous, dtype, dst, out))
+            if out is not None and st.span is not None:  # straight into the target's bytes
+                at = st.span * size
+                jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, lo, hi, True, dtype, None,
+                                    out[at : at + hi - lo]))
+                continue
+            for d, start, n in st.narrows:
+                view = view.narrow(d, start, n)
+            jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, lo, hi, st.contiguous, dtype, view))
     return jobs
 
 
@@ -304,15 +310,11 @@ class Reader:
         piece, out = self.storage.read_piece, j.out
         if piece is None or out is None:
             return [j]
-        size = j.dst.element_size()
         step = max(1, piece // self.block) * self.block
-        if step % size or j.hi - j.lo <= step:
+        if j.hi - j.lo <= step:
             return [j]
-        flat = j.dst.reshape(-1)
         cuts = [j.lo, *range((j.lo // step + 1) * step, j.hi, step), j.hi]
-        return [j._replace(lo=lo, hi=hi, dst=flat[(lo - j.lo) // size : (hi - j.lo) // size],
-                           out=out[lo - j.lo : hi - j.lo])
-                for lo, hi in zip(cuts[:-1], cuts[1:])]
+        return [j._replace(lo=lo, hi=hi, out=out[lo - j.lo : hi - j.lo]) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
     def _batch(self, fname: str, start: int, end: int, members: list[tuple[str, int, int, int, ReadJob]]) -> int:
         """Read bytes ``[start, end)`` of ``fname`` once; check and place every member from them."""
@@ -330,6 +332,7 @@ class Reader:
         if j.out is not None:
             return self._read_into(j)
         dst = j.dst
+        assert dst is not None
         if j.contiguous and dst.dtype == j.dtype and dst.device.type == "cuda" and dst.is_contiguous():
             host = torch.empty(dst.shape, dtype=j.dtype, pin_memory=True)  # then to the device while the next reads run
             n = self._read_into(j, _bytes_of(host))
@@ -344,12 +347,13 @@ class Reader:
 
     def _place(self, j: ReadJob, data: memoryview, a: int) -> None:
         """Copy the job's region from ``data``, the chunk's bytes from byte ``a`` on."""
-        dst, dtype = j.dst, j.dtype
         if j.region.numel == 0:
             return
         if j.out is not None:
             j.out[:] = data[j.lo - a : j.hi - a]
             return
+        dst, dtype = j.dst, j.dtype
+        assert dst is not None
         src = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
         # the region inside the saved chunk, as a strided view of the bytes read
         sizes = j.chunk.sizes
