@@ -61,6 +61,12 @@ _POLL = timedelta(seconds=0.25)
 #: carries (an agreement's verdict and a small payload: one collective, not two).
 INLINE = 512
 
+_CLOSED = "the process is exiting: shardpoint's checkpoint collectives are closed"
+
+
+def _nothing() -> None:
+    """The wait of a collective that already ended."""
+
 
 def _dist() -> ModuleType | None:
     import torch.distributed as dist
@@ -535,31 +541,41 @@ class Comm:
         :data:`INLINE` bytes per rank (each payload's size and its first bytes) carries
         the small payloads of most calls whole; a second one of the largest payload's
         remainder follows only when some rank's payload is longer."""
+        return self.start_all_gather_json(obj)()
+
+    def start_all_gather_json(self, obj: object) -> Callable[[], list[Any]]:
+        """:meth:`all_gather_json`, started: returns the wait for its result, so that
+        the caller can do local work while the ranks exchange."""
         if self.store is None:
-            return [obj]
+            return lambda: [obj]
         data = json.dumps(obj, separators=(",", ":")).encode()
         first = bytearray(8 + INLINE)
         first[:8] = len(data).to_bytes(8, "little")
         head = data[:INLINE]
         first[8 : 8 + len(head)] = head
         outs = [torch.empty(8 + INLINE, dtype=torch.uint8) for _ in range(self.world)]
-        self._run(self._td.all_gather, outs, torch.frombuffer(first, dtype=torch.uint8))
-        raw = [bytes(o.numpy()) for o in outs]
-        sizes = [int.from_bytes(r[:8], "little") for r in raw]
-        big = max(sizes)
-        traffic = (8 + INLINE) * self.world
-        rest: list[bytes] = []
-        if big > INLINE:
-            extra = bytearray(big - INLINE)
-            tail = data[INLINE:]
-            extra[: len(tail)] = tail
-            more = [torch.empty(big - INLINE, dtype=torch.uint8) for _ in range(self.world)]
-            self._run(self._td.all_gather, more, torch.frombuffer(extra, dtype=torch.uint8))
-            rest = [bytes(o.numpy()) for o in more]
-            traffic += (big - INLINE) * self.world
-        PROCESS.seams.traffic.add(traffic)
-        return [json.loads(r[8 : 8 + min(n, INLINE)] + (rest[i][: n - INLINE] if n > INLINE else b""))
-                for i, (r, n) in enumerate(zip(raw, sizes))]
+        wait = self._start(self._td.all_gather, outs, torch.frombuffer(first, dtype=torch.uint8))
+
+        def finish() -> list[Any]:
+            wait()
+            raw = [bytes(o.numpy()) for o in outs]
+            sizes = [int.from_bytes(r[:8], "little") for r in raw]
+            big = max(sizes)
+            traffic = (8 + INLINE) * self.world
+            rest: list[bytes] = []
+            if big > INLINE:
+                extra = bytearray(big - INLINE)
+                tail = data[INLINE:]
+                extra[: len(tail)] = tail
+                more = [torch.empty(big - INLINE, dtype=torch.uint8) for _ in range(self.world)]
+                self._run(self._td.all_gather, more, torch.frombuffer(extra, dtype=torch.uint8))
+                rest = [bytes(o.numpy()) for o in more]
+                traffic += (big - INLINE) * self.world
+            PROCESS.seams.traffic.add(traffic)
+            return [json.loads(r[8 : 8 + min(n, INLINE)] + (rest[i][: n - INLINE] if n > INLINE else b""))
+                    for i, (r, n) in enumerate(zip(raw, sizes))]
+
+        return finish
 
     def any_true(self, flags: torch.Tensor) -> torch.Tensor:
         """Element-wise OR of a uint8 vector over the ranks (data lane)."""
@@ -671,40 +687,64 @@ class Comm:
         **kwargs: object,
     ) -> None:
         """One collective on a lane of the channel (every checkpoint collective goes
-        through here). When it fails (gloo raises as soon as a peer's connection
-        closes), raise :class:`CollectiveMismatchError` naming the ranks that are
-        gone instead of gloo's own error, so that ``except ShardpointError`` in a
-        training loop sees it."""
+        through here or :meth:`_start`). When it fails (gloo raises as soon as a
+        peer's connection closes), raise :class:`CollectiveMismatchError` naming the
+        ranks that are gone instead of gloo's own error, so that ``except
+        ShardpointError`` in a training loop sees it."""
+        self._start(collective, *args, lane=lane, **kwargs)()
+
+    def _start(
+        self,
+        collective: Callable[..., Any],
+        *args: object,
+        lane: str = "data",
+        **kwargs: object,
+    ) -> Callable[[], None]:
+        """Start one collective (as :meth:`_run`); returns the wait for its end, which
+        raises as :meth:`_run` does. The caller may do local work meanwhile."""
         ch = self.channel
         assert ch is not None
         group = self.group() if lane == "data" else ch.ctl
-        closed = "the process is exiting: shardpoint's checkpoint collectives are closed"
         if ch.closing:
-            raise ShardpointError(closed)
+            raise ShardpointError(_CLOSED)
         try:
             if not _takes_async_op(collective):
                 collective(*args, group=group, **kwargs)
-                return
-            # wait in short slices: a thread blocked in gloo must get back to Python
-            # while the interpreter is whole, or it is killed inside torch's C++ code
-            # when it finalises (SIGABRT); the exit handler closes the channel
+                return _nothing
             work = collective(*args, group=group, async_op=True, **kwargs)
-            while True:
-                try:
-                    work.wait(timeout=_POLL)
-                    return
-                except Exception:  # noqa: BLE001 - "Operation timed out!" or the collective's own error
-                    if work.is_completed():
-                        work.wait()  # raises the collective's own error, if that is what it was
-                        return
-                    if ch.closing:
-                        raise ShardpointError(closed) from None
         except ShardpointError:
             raise
         except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
-            if ch.closing:
-                raise ShardpointError(closed) from e
-            raise self._peer_failure(e) from e
+            raise self._failure(e) from e
+
+        def wait() -> None:
+            # wait in short slices: a thread blocked in gloo must get back to Python
+            # while the interpreter is whole, or it is killed inside torch's C++ code
+            # when it finalises (SIGABRT); the exit handler closes the channel
+            try:
+                while True:
+                    try:
+                        work.wait(timeout=_POLL)
+                        return
+                    except Exception:  # noqa: BLE001 - "Operation timed out!" or the collective's own error
+                        if work.is_completed():
+                            work.wait()  # raises the collective's own error, if that is what it was
+                            return
+                        if ch.closing:
+                            raise ShardpointError(_CLOSED) from None
+            except ShardpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
+                raise self._failure(e) from e
+
+        return wait
+
+    def _failure(self, e: BaseException) -> ShardpointError:
+        """What a failed collective raises: the channel closing at exit, or the peers that are gone."""
+        assert self.channel is not None
+        if self.channel.closing:
+            return ShardpointError(_CLOSED)
+        return self._peer_failure(e)
 
     def _peer_failure(self, cause: BaseException) -> CollectiveMismatchError:
         """Survivors of a failed collective report in on the store for up to
@@ -834,18 +874,37 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
 def agree(comm: Comm, payload: object, error: BaseException | None) -> list[Any]:
     """Exchange each rank's ``payload`` or error; if any rank failed, raise on every
     rank (the failing rank re-raises its own exception)."""
+    return start_agree(comm, payload, error)()
+
+
+def start_agree(comm: Comm, payload: object, error: BaseException | None) -> Callable[[], list[Any]]:
+    """:func:`agree`, started: returns the wait for its verdict (which raises as
+    :func:`agree` does), so that a rank can do local work that changes nothing while
+    the ranks exchange."""
     mine = {"ok": error is None, "payload": payload if error is None else None}
     if error is not None:
         mine["error"] = f"{type(error).__name__}: {error}"
         mine["type"] = type(error).__name__
-    try:
-        everyone = comm.all_gather_json(mine)
-    except CollectiveMismatchError as lost:
+
+    def lost(e: CollectiveMismatchError) -> BaseException:
         if error is None:
-            raise
+            return e
         # a peer is gone as well; this rank's own failure is what its user needs first
-        raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error} (and {lost})") from error
-    failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
-    if failed:
-        _raise_failed(comm, failed, error)
-    return [e["payload"] for e in everyone]
+        return ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error} (and {e})")
+
+    try:
+        wait = comm.start_all_gather_json(mine)
+    except CollectiveMismatchError as e:
+        raise lost(e) from error
+
+    def verdict() -> list[Any]:
+        try:
+            everyone = wait()
+        except CollectiveMismatchError as e:
+            raise lost(e) from error
+        failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
+        if failed:
+            _raise_failed(comm, failed, error)
+        return [e["payload"] for e in everyone]
+
+    return verdict

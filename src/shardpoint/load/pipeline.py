@@ -3,12 +3,13 @@
 
 1. locate (:mod:`.locate`): read the manifest; let the state's owners prepare; walk
    the local state and check its keys against the checkpoint (:mod:`.place`;
-   nothing is modified yet); agree, telling with the verdict
-2. which checkpoint keys each rank holds (those no rank holds may be created).
-3. read plan (:func:`.read.plan_jobs`, over :mod:`shardpoint.plan.read`): the byte
-   ranges this rank reads for its targets; read (:class:`.read.Reader`): in
-   parallel, verified; place (:mod:`.place`): every value in place, create what is
-   missing, call ``load_state_dict``, report; agree.
+   nothing is modified yet); agree, telling with the verdict which checkpoint keys
+   this rank holds (those no rank holds may be created).
+2. read plan (:func:`.read.plan_jobs`, over :mod:`shardpoint.plan.read`): the byte
+   ranges this rank reads for its own tensors, planned while the ranks exchange
+   (planning changes nothing), then for what it creates.
+3. read (:class:`.read.Reader`): in parallel, verified; place (:mod:`.place`): every
+   value in place, create what is missing, call ``load_state_dict``, report; agree.
 4. the owners' collective follow-up, once every rank succeeded.
 """
 
@@ -19,14 +20,14 @@ from typing import Any
 
 from .._gc import gc_paused
 from ..adapters import LoadHooks
-from ..collective import Comm, agree
+from ..collective import Comm, agree, start_agree
 from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.manifest import Manifest
 from ..report import LoadReport
 from ..storage import Storage
 from .locate import Locator, committed, read_manifest
 from .place import Collect, TreeLoad, _Selector, build, fill_all, load_per_rank, materialise_tree
-from .read import Reader, plan_jobs
+from .read import Reader, ReadJob, plan_jobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,12 +61,15 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
         holds = _holds(top, manifest)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
-    everyone = agree(comm, holds, err)
-    assert top is not None and manifest is not None
+    verdict = start_agree(comm, holds, err)
+    # while the ranks exchange, plan the reads of this rank's own tensors (that changes nothing)
+    ahead = _plan_ahead(top, manifest, storage) if err is None and top is not None and manifest is not None else None
+    everyone = verdict()
+    assert top is not None and manifest is not None and ahead is not None
     held = _held_anywhere(everyone, manifest, storage)
     # 3. every rank: read its share, fill in place, let the owners settle
     try:
-        _read_and_fill(top, manifest, storage, select, report, options, held, comm.rank)
+        _read_and_fill(top, manifest, select, report, options, held, comm.rank, ahead)
         hooks.after_load(report, comm.rank)
         err = None
     except Exception as e:  # noqa: BLE001
@@ -82,7 +86,7 @@ def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> 
     manifest = read_manifest(storage)
     reads = Collect(manifest, Locator(storage, manifest))
     value = materialise_tree(manifest.tree, "", reads, select=_Selector(keys, None))
-    _read(reads, verify)
+    _read(reads, plan_jobs(reads.targets, reads.locator), verify)
     return build(value)
 
 
@@ -129,29 +133,52 @@ def _held_anywhere(everyone: list[Any], manifest: Manifest, storage: Storage) ->
     return {k for i, k in enumerate(names) if held >> i & 1}
 
 
-def _read_and_fill(top: TreeLoad, manifest: Manifest, storage: Storage, select: _Selector, report: LoadReport,
-                   options: LoadOptions, held: set[str], rank: int) -> None:
-    """Collect this rank's targets (its tree and its per-rank values), read them
-    verified, and place every value; Stateful objects get ``load_state_dict``."""
+@dataclass(slots=True)
+class _Ahead:
+    """The reads of this rank's own tensors, planned while the ranks agree on the key
+    check (or the error planning them raised, raised once they agreed)."""
+
+    reads: Collect
+    jobs: list[ReadJob]
+    error: BaseException | None = None
+
+
+def _plan_ahead(top: TreeLoad, manifest: Manifest, storage: Storage) -> _Ahead:
     reads = Collect(manifest, Locator(storage, manifest))
-    top.plan(reads, held.__contains__, options.create)
+    try:
+        top.plan_local(reads)
+        return _Ahead(reads, plan_jobs(reads.targets, reads.locator))
+    except Exception as e:  # noqa: BLE001 - raised after the verdict, then fanned out
+        return _Ahead(reads, [], e)
+
+
+def _read_and_fill(top: TreeLoad, manifest: Manifest, select: _Selector, report: LoadReport, options: LoadOptions,
+                   held: set[str], rank: int, ahead: _Ahead) -> None:
+    """Add the created keys and per-rank values to this rank's planned reads, read
+    them verified, and place every value; Stateful objects get ``load_state_dict``."""
+    if ahead.error is not None:
+        raise ahead.error
+    reads = ahead.reads
+    planned = len(reads.targets)
+    top.plan_created(reads, held.__contains__, options.create)
     per_rank: list[TreeLoad] = []
     for key, saved in manifest.tree.per_rank.items():
         if select(key) and key in top.walk.per_rank:
             per_rank += load_per_rank(key, top.walk.per_rank[key], saved, rank, select, reads, report,
                                       options.strict, options.create)
-    report.bytes_read = _read(reads, options.verify)
+    jobs = ahead.jobs + plan_jobs(reads.targets[planned:], reads.locator)
+    report.bytes_read = _read(reads, jobs, options.verify)
     fill_all(top, per_rank)
 
 
-def _read(reads: Collect, verify: bool) -> int:
-    """Plan and run the reads; returns the bytes read. A checksum failure on a
-    checkpoint that is no longer the one this load opened (replaced or removed
-    meanwhile) is reported as that."""
+def _read(reads: Collect, jobs: list[ReadJob], verify: bool) -> int:
+    """Run the reads; returns the bytes read. A checksum failure on a checkpoint that
+    is no longer the one this load opened (replaced or removed meanwhile) is
+    reported as that."""
     storage, manifest = reads.locator.storage, reads.manifest
     reader = Reader(storage, manifest.crc_block, verify)
     try:
-        reader.run(plan_jobs(reads.targets, reads.locator))
+        reader.run(jobs)
     except CorruptCheckpointError:
         if not committed(storage, manifest.save_id):
             raise ShardpointError(

@@ -127,6 +127,12 @@ class TreeLoad:
 
     def plan(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
         """Collect the reads of local tensors; decide what to create."""
+        self.plan_local(reads)
+        self.plan_created(reads, held, create)
+
+    def plan_local(self, reads: Collect) -> None:
+        """Collect the reads of local tensors and the values to assign (changes
+        nothing in the state)."""
         r = self.report
         skip = set(r.skipped) | set(r.missing)
         for key, node in self.walk.leaves.items():
@@ -145,6 +151,11 @@ class TreeLoad:
                 self.values[key] = self.tree.values.get(key)
                 if e["kind"] != "value":
                     raise KeyMismatchError(f"key {key!r} is a plain value in the local state but a {e['kind']} in the checkpoint")
+
+    def plan_created(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
+        """Decide what to create: the checkpoint's keys that no rank holds (``held``)
+        and that lie below a local container."""
+        r = self.report
         for key, e in self.tree.entries.items():
             if key in self.walk.leaves or key in self.walk.per_rank or not self.select(key) or held(key):
                 continue
