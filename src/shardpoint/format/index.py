@@ -12,8 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from ..errors import CorruptCheckpointError
 from .datafile import WrittenChunk
@@ -53,8 +52,7 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class Located:
+class Located(NamedTuple):
     """Where one chunk's bytes lie: byte offset in its file, length, block CRCs."""
 
     offset: int
