@@ -5,6 +5,7 @@ on must hold the same way everywhere."""
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -68,6 +69,47 @@ def test_short_file_is_named(storage: Storage, offset: int, length: int | None) 
     with pytest.raises(CorruptCheckpointError, match=r"rank-0\.safetensors.*truncated") as info:
         storage.read("rank-0.safetensors", offset, length)
     assert storage.url in str(info.value)
+
+
+def test_readv_into_scatters_one_range(storage: Storage) -> None:
+    """One range of a file into several buffers in order (empty ones included), the
+    same inside keep_open(), where a local disk reuses its descriptors."""
+    storage.write_file("rank-0.safetensors", [DATA])
+    sizes = [0, 1, 4095, 0, 3000, 3000]
+    for keep in (False, True):
+        bufs = [bytearray(n) for n in sizes]
+        if keep:
+            with storage.keep_open():
+                storage.readv_into("rank-0.safetensors", 100, [memoryview(b) for b in bufs])
+                storage.readv_into("rank-0.safetensors", 100, [memoryview(b) for b in bufs])  # the kept descriptor
+        else:
+            storage.readv_into("rank-0.safetensors", 100, [memoryview(b) for b in bufs])
+        assert b"".join(bufs) == DATA[100 : 100 + sum(sizes)]
+    one = bytearray(7)
+    storage.readv_into("rank-0.safetensors", len(DATA) - 7, [memoryview(one)])
+    assert bytes(one) == DATA[-7:]
+
+
+def test_readv_into_past_the_end_is_named(storage: Storage) -> None:
+    storage.write_file("rank-0.safetensors", [b"z" * 100])
+    for keep in (False, True):
+        with storage.keep_open() if keep else contextlib.nullcontext():
+            with pytest.raises(CorruptCheckpointError, match=r"rank-0\.safetensors.*truncated") as info:
+                storage.readv_into("rank-0.safetensors", 50, [memoryview(bytearray(30)), memoryview(bytearray(30))])
+        assert storage.url in str(info.value)
+    with pytest.raises(CorruptCheckpointError, match=r"rank-7\.safetensors.*missing"):
+        storage.readv_into("rank-7.safetensors", 0, [memoryview(bytearray(1)), memoryview(bytearray(1))])
+
+
+def test_keep_open_reads_what_is_written_after_it_ends(storage: Storage) -> None:
+    """Descriptors kept for a load are closed when it ends: a file written again later
+    is read anew."""
+    storage.write_file("f", [b"x" * 10])
+    with storage.keep_open():
+        assert bytes(storage.read("f")) == b"x" * 10
+    storage.write_file("f", [b"y" * 10])
+    with storage.keep_open():
+        assert bytes(storage.read("f")) == b"y" * 10
 
 
 def test_write_atomic(storage: Storage) -> None:

@@ -18,6 +18,9 @@ from .base import Storage, byte_view
 
 #: Buffers one preadv takes at most (Linux's IOV_MAX).
 _IOV_MAX = 1024
+#: Descriptors kept open inside keep_open() at most (a load from a thousand ranks' files
+#: must not run into the process's limit of open files); others are opened per read.
+_KEEP_OPEN = 64
 
 
 def _fsync_dir(path: str) -> None:
@@ -111,7 +114,7 @@ class LocalStorage(Storage):
             return fd, False
         fd = _open_regular(path)
         with self._open_lock:
-            if self._open is kept and path not in kept:
+            if self._open is kept and path not in kept and len(kept) < _KEEP_OPEN:
                 kept[path] = fd
                 return fd, False
         return fd, True
