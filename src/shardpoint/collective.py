@@ -577,15 +577,6 @@ class Comm:
 
         return finish
 
-    def any_true(self, flags: torch.Tensor) -> torch.Tensor:
-        """Element-wise OR of a uint8 vector over the ranks (data lane)."""
-        if self.store is None:
-            return flags
-        out = flags.clone()
-        self._run(self._td.all_reduce, out, op=self._td.ReduceOp.MAX)
-        PROCESS.seams.traffic.add(out.numel() * out.element_size())
-        return out
-
     # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
     def gather_json(self, obj: object) -> list[Any] | None:
         """Every rank's ``obj`` (JSON-serialisable) on rank 0 of the group, in rank

@@ -83,7 +83,7 @@ class Seams:
     #: (off only to measure what the check costs: benchmarks/health_bench.py).
     health_check: bool = True
     counters: Counters = field(default_factory=Counters)
-    #: Counted at the Comm layer for every JSON collective and ``any_true``.
+    #: Counted at the Comm layer for every JSON collective.
     traffic: Traffic = field(default_factory=Traffic)
 
     def fire_phase(self, name: str) -> None:

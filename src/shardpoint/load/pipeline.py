@@ -108,11 +108,13 @@ def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
     the sorted keys, as hex)."""
     local = top.walk.leaves.keys() | top.walk.per_rank.keys()
     names = sorted(manifest.tree.entries)
-    bits = [k in local for k in names]
-    if all(bits):
+    if all(k in local for k in names):
         return [manifest.save_id, ""]
-    n = sum(1 << i for i, b in enumerate(bits) if b)
-    return [manifest.save_id, format(n, "x")]
+    bits = bytearray((len(names) + 7) // 8)
+    for i, k in enumerate(names):
+        if k in local:
+            bits[i >> 3] |= 1 << (i & 7)
+    return [manifest.save_id, bits.hex()]
 
 
 def _held_anywhere(everyone: list[Any], manifest: Manifest, storage: Storage) -> set[str]:
@@ -127,10 +129,11 @@ def _held_anywhere(everyone: list[Any], manifest: Manifest, storage: Storage) ->
         )
     if any(bits == "" for _sid, bits in everyone):
         return set(names)
-    held = 0
+    held = bytearray((len(names) + 7) // 8)
     for _sid, bits in everyone:
-        held |= int(bits, 16) if bits else 0
-    return {k for i, k in enumerate(names) if held >> i & 1}
+        for i, b in enumerate(bytes.fromhex(bits)):
+            held[i] |= b
+    return {k for i, k in enumerate(names) if held[i >> 3] >> (i & 7) & 1}
 
 
 @dataclass(slots=True)

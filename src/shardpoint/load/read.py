@@ -293,9 +293,9 @@ class Reader:
     def _run_of(self, members: list[ReadJob]) -> int:
         """Read whole chunks that lie back to back in a file straight into their
         targets with one scattered read, then check each."""
-        views = [j.out for j in members if j.out is not None]
-        if len(members) == 1 or len(views) != len(members):
-            return sum(self._read_into(j) for j in members)
+        if len(members) == 1:
+            return self._read_into(members[0])
+        views = [j.out for j in members if j.out is not None]  # every member has its target's bytes
         first = members[0]
         try:
             self.storage.readv_into(first.loc.file, first.loc.offset, views)
