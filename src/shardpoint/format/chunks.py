@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -47,10 +46,10 @@ class SavedChunk(NamedTuple):
     """Where its bytes lie when the manifest says it (version 1); else in the index of ``rank``'s file."""
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """A tensor entry of a manifest, checked and typed (its chunks are expanded from
-    the layout on demand: :meth:`chunks`)."""
+    the layout on demand: :meth:`chunks`). A NamedTuple: a manifest makes one per
+    tensor, and a load parses every entry."""
 
     key: str
     dtype_name: str
@@ -60,9 +59,9 @@ class TensorSpec:
     """Saved from a numpy array (restore it as one)."""
     version: int
     """The manifest's format version (how ``entry`` describes the chunks)."""
-    entry: dict[str, Any] = field(repr=False, compare=False)
+    entry: dict[str, Any]
     """The manifest's entry as parsed from JSON (already checked)."""
-    layout: str | None = field(default=None, repr=False, compare=False)
+    layout: str | None = None
     """Its layout's :func:`~.layouts.layout_key` (tensors of one layout share their expanded chunks)."""
 
     @property

@@ -87,13 +87,14 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
         raise bad("'chunks' is not an object")
     out: dict[str, Located] = {}
     known = refs or {}
+    shape_error = "is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]"
     for name, rec in chunks.items():  # one pass of plain comparisons: an index lists every chunk of its file
         if type(rec) is not list or not 3 <= len(rec) <= 4:
-            raise bad(f"chunk {name!r} is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]")
+            raise bad(f"chunk {name!r} {shape_error}")
         off, length, crcs = rec[0], rec[1], rec[2]
-        if type(off) is not int or type(length) is not int or not (0 <= off < _LIMIT and 0 <= length < _LIMIT) \
-                or type(crcs) is not list:
-            raise bad(f"chunk {name!r} is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]")
+        if type(off) is not int or type(length) is not int or type(crcs) is not list \
+                or not (0 <= off < _LIMIT and 0 <= length < _LIMIT):
+            raise bad(f"chunk {name!r} {shape_error}")
         ref = rec[3] if len(rec) == 4 else None
         if ref is not None:
             if not isinstance(ref, str) or ref not in known:
@@ -103,12 +104,11 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
                           f"({off + length} > {known[ref]['size']} bytes)")
         elif off + length > file_size:
             raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
-        want = max(1, -(-length // block))
-        if len(crcs) != want:
-            raise bad(f"chunk {name!r} must list {want} block checksums")
+        if len(crcs) != (-(-length // block) or 1):
+            raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
         for c in crcs:
             if type(c) is not int or not 0 <= c < _CRC_LIMIT:
-                raise bad(f"chunk {name!r} must list {want} block checksums")
+                raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
         out[name] = Located(off, length, crcs, ref)
     return out
 

@@ -324,8 +324,12 @@ def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, dict[str, flo
 
 
 
+#: Counts (sizes, offsets, dimensions) lie below this.
+_COUNT_LIMIT = 1 << 62
+
+
 def _is_count(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _COUNT_LIMIT
 
 
 def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int, depth: int, under: str | None = None,
@@ -349,8 +353,8 @@ def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: 
         elif kind == "tensor":
             layout = _check_tensor(key, e, files, block, bad, ws, version)
             name = e["dtype"]
-            tree.tensors[key] = TensorSpec(key=key, dtype_name=name, itemsize=ITEMSIZES[name], shape=tuple(e["shape"]),
-                                           numpy=bool(e.get("numpy")), version=version, entry=e, layout=layout)
+            tree.tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e["shape"]), bool(e.get("numpy")), version, e,
+                                           layout)
         elif kind == "per_rank" and depth == 0:
             ranks = e.get("ranks")
             if not isinstance(ranks, dict):
@@ -373,8 +377,11 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
     if "numpy" in e and (not isinstance(e["numpy"], bool) or (e["numpy"] and dtype in _NOT_NUMPY)):
         raise bad(f"entry {key!r}: 'numpy' must be true or false, and numpy has no {dtype}")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
         raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
+    for s in shape:  # a loop, not all(): a load checks every entry
+        if type(s) is not int or not 0 <= s < _COUNT_LIMIT:
+            raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
     numel = math.prod(shape)
     if numel > _MAX_NUMEL:
         raise bad(f"entry {key!r}: shape {shape} is implausibly large")
@@ -419,20 +426,29 @@ def _check_keys(containers: dict[str, str], entries: Mapping[str, object], bad: 
     also a container, list and tuple children are indexed by integers, integer
     segments are of sane length, and a per-rank value's keys lie under its own key
     (``under``)."""
-    leaves = set(entries)
-    for k in leaves & set(containers):
+    for k in entries.keys() & containers.keys():
         raise bad(f"key {k!r} is both a leaf and a container")
-    for k in list(containers) + list(entries):
-        segs = k.split("/") if k else []
-        for seg in segs:
-            if len(seg) > _MAX_INT_DIGITS and _INT_SEG.match(seg):
-                raise bad(f"key {k[:80]!r}...: an integer segment of {len(seg)} digits")
-        if under is not None and under != "" and k != under and not k.startswith(under + "/"):
+    inside = None if under is None or under == "" else under + "/"
+    for k in (*containers, *entries):
+        if len(k) > _MAX_INT_DIGITS:  # only a key this long can hold a segment this long
+            for seg in k.split("/"):
+                if len(seg) > _MAX_INT_DIGITS and _INT_SEG.match(seg):
+                    raise bad(f"key {k[:80]!r}...: an integer segment of {len(seg)} digits")
+        if inside is not None and k != under and not k.startswith(inside):
             raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
-        for i in range(len(segs)):
-            parent = "/".join(segs[:i])
-            if parent in leaves and (i > 0 or parent == "" and k != ""):
+        if k == "":
+            continue
+        # each parent ("" and every prefix up to a "/") and the segment below it
+        parent, pos = "", 0
+        while True:
+            end = k.find("/", pos)
+            if parent in entries:
                 raise bad(f"key {k!r} lies under the leaf {parent!r}")
-            if containers.get(parent) in ("list", "tuple") and (i < len(segs)) and not (
-                    segs[i].isascii() and segs[i].isdigit()):
-                raise bad(f"key {k!r}: a {containers[parent]} is indexed by {segs[i]!r}, not by an integer")
+            kind = containers.get(parent)
+            if kind == "list" or kind == "tuple":
+                seg = k[pos:] if end < 0 else k[pos:end]
+                if not (seg.isascii() and seg.isdigit()):
+                    raise bad(f"key {k!r}: a {kind} is indexed by {seg!r}, not by an integer")
+            if end < 0:
+                break
+            parent, pos = k[:end], end + 1

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -275,7 +275,7 @@ class Reader:
     def _runs(self, whole: list[ReadJob], piece: int) -> list[Callable[[], int]]:
         """Whole chunks back to back in one file, about ``piece`` bytes a run at most
         (their CRCs are computed while the bytes are still in the CPU's cache)."""
-        whole.sort(key=lambda j: (j.loc.file, j.loc.offset))
+        whole.sort(key=lambda j: j.loc)  # a ChunkLoc sorts by file, then offset
         tasks: list[Callable[[], int]] = []
         i = 0
         while i < len(whole):
@@ -296,15 +296,16 @@ class Reader:
         if len(members) == 1:
             return self._read_into(members[0])
         views = [j.out for j in members if j.out is not None]  # every member has its target's bytes
-        first = members[0]
+        first, last = members[0], members[-1]
+        end = last.loc.offset + last.loc.length
         try:
             self.storage.readv_into(first.loc.file, first.loc.offset, views)
         except (CorruptCheckpointError, OSError):  # one at a time, to name the key whose bytes are missing
             return sum(self._read_into(j) for j in members)
         if self.verify:
             for j, v in zip(members, views):
-                self._check(j, 0, j.loc.length, 0, j.loc.length, b"", v, b"")
-        return sum(len(v) for v in views)
+                self._check_whole(j, v)
+        return end - first.loc.offset
 
     def _pieces(self, j: ReadJob) -> list[ReadJob]:
         """A large job straight into a contiguous CPU target, cut at checksum block
@@ -394,6 +395,9 @@ class Reader:
             raise CorruptCheckpointError(f"key {j.key!r}: {e}") from None
         if not self.verify:
             return len(view)
+        if j.lo == 0 and j.hi == j.loc.length:  # a whole chunk: its blocks, no partial ones at the ends
+            self._check_whole(j, view)
+            return len(view)
         a, b = self._span(j.loc, j.lo, j.hi)
         head = self._read(j, j.loc.file, j.loc.offset + a, j.lo - a) if j.lo > a else b""
         tail = self._read(j, j.loc.file, j.loc.offset + j.hi, b - j.hi) if b > j.hi else b""
@@ -416,6 +420,26 @@ class Reader:
             raise CorruptCheckpointError(f"key {j.key!r}: short read from {fname}; the file is truncated")
         return data if isinstance(data, bytearray) else bytearray(data)  # torch.frombuffer wants it writable
 
+    def _check_whole(self, j: ReadJob, data: _Bytes) -> None:
+        """Check every block of a whole chunk whose bytes are ``data`` (what :meth:`_check`
+        does for ``[0, length)``, without its partial-block arithmetic)."""
+        blk, crcs = self.block, j.loc.crc32
+        if len(data) <= blk:
+            if crc32(data) != crcs[0]:
+                self._mismatch(j, 0, len(data))
+            return
+        view = memoryview(data)
+        for k, s in enumerate(range(0, len(view), blk)):
+            if crc32(view[s : s + blk]) != crcs[k]:
+                self._mismatch(j, s, min(s + blk, len(view)))
+
+    def _mismatch(self, j: ReadJob, s: int, e: int) -> NoReturn:
+        loc = j.loc
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {loc.file} (bytes {loc.offset + s}..{loc.offset + e}) for key "
+            f"{j.key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
+        )
+
     def _check(self, j: ReadJob, a: int, b: int, lo: int, hi: int, head: _Bytes, mid: _Bytes, tail: _Bytes) -> None:
         """Check blocks ``[a, b)`` of a chunk whose bytes are ``head`` (``[a, lo)``),
         ``mid`` (``[lo, hi)``) and ``tail`` (``[hi, b)``), chaining CRC-32 across them."""
@@ -427,10 +451,7 @@ class Reader:
             if e > hi:
                 crc = crc32(tail[max(s, hi) - hi : e - hi], crc)
             if crc != loc.crc32[k]:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {loc.file} (bytes {loc.offset + s}..{loc.offset + e}) for key "
-                    f"{j.key!r}: the file is damaged. Restore it from a copy, or load another checkpoint"
-                )
+                self._mismatch(j, s, e)
 
 
 def read_verified(storage: Storage, loc: ChunkLoc, block: int, on_bad: Callable[[int], None] | None = None,
