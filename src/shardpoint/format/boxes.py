@@ -4,14 +4,15 @@ format's layouts (grid, flat ranges) are made of them and the planner uses them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True)
-class Box:
-    """A region of a global tensor: ``offsets[d] <= i_d < offsets[d] + sizes[d]``."""
+class Box(NamedTuple):
+    """A region of a global tensor: ``offsets[d] <= i_d < offsets[d] + sizes[d]``.
+    A NamedTuple (made, hashed and compared in C): a load makes and looks up a few per
+    tensor."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]

@@ -136,41 +136,40 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     (its key names the shape and the saved boxes) and the same local boxes (a
     parameter and its optimizer moments) are planned once."""
     jobs: list[ReadJob] = []
+    add = jobs.append
     known: dict[tuple[str, tuple[Box, ...]], list[_Step]] = {}
+    locate = locator.locate
     for t in targets:
         spec = t.spec
         if t.fresh is not None:
             t.fresh.tensor = _allocate(spec, locator)
             t = t._replace(views=[t.fresh.tensor])
         chunks = spec.chunks()
-        memo = None if spec.listed or spec.layout is None else (spec.layout, tuple(t.boxes))
+        memo = None if spec.layout is None or spec.listed else (spec.layout, tuple(t.boxes))
         steps = known.get(memo) if memo is not None else None
         if steps is None:
             steps = _steps(spec, [c.box for c in chunks], t.boxes)
             if memo is not None:
                 known[memo] = steps
-        located: dict[int, ChunkLoc] = {}
-        bases: dict[int, tuple[torch.Tensor, memoryview | None]] = {}
-        size, dtype, key = spec.itemsize, spec.dtype, spec.key
+        size, dtype, key, per_rank = spec.itemsize, spec.dtype, spec.key, t.per_rank
+        bases: list[tuple[torch.Tensor, memoryview | None] | None] = [None] * len(t.views)
         for st in steps:
-            loc = located.get(st.source)
-            if loc is None:
-                loc = located[st.source] = locator.locate(spec, chunks[st.source], t.per_rank)
-            base = bases.get(st.target)
+            chunk = chunks[st.source]
+            loc = locate(spec, chunk, per_rank)
+            base = bases[st.target]
             if base is None:  # a parameter may require grad: write its data
                 view = t.views[st.target].detach()
-                whole = view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous()
+                whole = view.dtype == dtype and view.device.type == "cpu" and view.is_contiguous()
                 base = bases[st.target] = (view, _bytes_of(view) if whole else None)
             view, out = base
             lo, hi = st.first * size, st.last * size
             if out is not None and st.span is not None:  # straight into the target's bytes
                 at = st.span * size
-                jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, lo, hi, True, dtype, None,
-                                    out[at : at + hi - lo]))
+                add(ReadJob(key, loc, chunk.box, st.region, lo, hi, True, dtype, None, out[at : at + hi - lo]))
                 continue
             for d, start, n in st.narrows:
                 view = view.narrow(d, start, n)
-            jobs.append(ReadJob(key, loc, chunks[st.source].box, st.region, lo, hi, st.contiguous, dtype, view))
+            add(ReadJob(key, loc, chunk.box, st.region, lo, hi, st.contiguous, dtype, view))
     return jobs
 
 
