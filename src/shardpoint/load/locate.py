@@ -133,6 +133,7 @@ class Locator:
     manifest: Manifest
     _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
     _files: dict[int, tuple[str, dict[str, Located]]] = field(default_factory=dict)  # saving rank -> its file, index
+    _names: dict[tuple[int, ...], str] = field(default_factory=dict)  # a box's offsets -> its chunk name's "@o0,o1"
 
     def __post_init__(self) -> None:
         self.storage = with_refs(self.storage, self.manifest)  # a reference reads from its sibling folder
@@ -152,7 +153,11 @@ class Locator:
                     idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
                 at = self._files[chunk.rank] = (fname, idx)
             fname, idx = at
-            name = chunk_name(spec.key, chunk.box.offsets, per_rank)
+            offsets = chunk.box.offsets
+            where = self._names.get(offsets)
+            if where is None:
+                where = self._names[offsets] = chunk_name("", offsets)
+            name = f"/per_rank/{spec.key}{where}" if per_rank else spec.key + where
             got = idx.get(name)
             if got is None:
                 raise CorruptCheckpointError(

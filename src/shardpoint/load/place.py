@@ -88,12 +88,12 @@ class TreeLoad:
                 if e["kind"] != "tensor":
                     raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {e['kind']} in the checkpoint")
                 lc = self.local[key] = chunks_of(key, node.obj)
-                if tuple(lc.shape) != tuple(e["shape"]):
+                if tuple(lc.shape) != self.tree.tensors[key].shape:
                     raise KeyMismatchError(
                         f"key {key!r}: the checkpoint holds shape {tuple(e['shape'])}, the local tensor has global shape "
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
-                if any(v.device.type == "meta" for v in lc.views):
+                if any(v.is_meta for v in lc.views):
                     raise KeyMismatchError(
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
