@@ -18,7 +18,8 @@ from ..errors import CorruptCheckpointError
 from .datafile import WrittenChunk
 
 INDEX_FORMAT = "shardpoint-index"
-_LIMIT = 1 << 62
+#: Offsets, lengths and other counts in an index or a manifest lie below this.
+COUNT_LIMIT = 1 << 62
 _CRC_LIMIT = 1 << 32
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -28,12 +29,18 @@ def index_name(data_file: str) -> str:
     return data_file.removesuffix(".safetensors") + ".index.json"
 
 
-def chunk_name(key: str, offsets: Any, per_rank: bool = False) -> str:
+def chunk_name(key: str, offsets: Any, per_rank: bool = False, *, at: str | None = None) -> str:
     """The name of a chunk in its data file and index: ``key@o0,o1`` (the offsets
     after the last ``@`` name the box). A per-rank value's chunks are prefixed with
-    ``/per_rank/``: no key starts with ``/``, so the names cannot collide."""
-    name = f"{key}@{','.join(map(str, offsets))}"
+    ``/per_rank/``: no key starts with ``/``, so the names cannot collide. ``at``:
+    :func:`box_at` of ``offsets``, where the caller keeps it (many keys share a box)."""
+    name = key + (box_at(offsets) if at is None else at)
     return f"/per_rank/{name}" if per_rank else name
+
+
+def box_at(offsets: Any) -> str:
+    """The part of a chunk's name after its key: ``@o0,o1``."""
+    return f"@{','.join(map(str, offsets))}"
 
 
 def index_bytes(data_file: str, chunks: list[tuple[str, WrittenChunk]],
@@ -93,7 +100,7 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
             raise bad(f"chunk {name!r} {shape_error}")
         off, length, crcs = rec[0], rec[1], rec[2]
         if type(off) is not int or type(length) is not int or type(crcs) is not list \
-                or not (0 <= off < _LIMIT and 0 <= length < _LIMIT):
+                or not (0 <= off < COUNT_LIMIT and 0 <= length < COUNT_LIMIT):
             raise bad(f"chunk {name!r} {shape_error}")
         ref = rec[3] if len(rec) == 4 else None
         if ref is not None:
@@ -115,9 +122,10 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
 
 def check_record(rec: Any) -> bool:
     """Whether a manifest's record of an index (``{"name", "size", "sha256"}``) is well formed."""
-    return (isinstance(rec, dict) and isinstance(rec.get("name"), str) and _is_count(rec.get("size"))
+    return (isinstance(rec, dict) and isinstance(rec.get("name"), str) and is_count(rec.get("size"))
             and isinstance(rec.get("sha256"), str) and bool(_SHA256.match(rec["sha256"])))
 
 
-def _is_count(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+def is_count(x: object) -> TypeGuard[int]:
+    """Whether ``x`` is a count the format allows: an int (not a bool) in ``[0, COUNT_LIMIT)``."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < COUNT_LIMIT

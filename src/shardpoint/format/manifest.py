@@ -23,14 +23,14 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, NoReturn, TypeGuard
+from typing import Any, NoReturn
 
 from ..errors import CorruptCheckpointError, UnsupportedTypeError
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES
 from .digest import is_sealed, seal, unseal
-from .index import check_record
+from .index import COUNT_LIMIT, check_record, is_count
 from .names import check_name
 from .refs import split_ref
 
@@ -258,7 +258,7 @@ class Manifest:
         ranks_seen: set[int] = set()
         for name, info in files.items():
             check_name(name)
-            if not isinstance(info, dict) or not _is_count(info.get("size")):
+            if not isinstance(info, dict) or not is_count(info.get("size")):
                 raise bad(f"files[{name!r}] has no valid 'size'")
             if version >= 2:
                 r = info.get("rank")
@@ -282,7 +282,7 @@ class Manifest:
             raise bad("'refs' is not an object")
         for name, info in refs.items():
             split_ref(name, where=where)
-            if not isinstance(info, dict) or not _is_count(info.get("size")) or not _is_count(info.get("bytes", 0)):
+            if not isinstance(info, dict) or not is_count(info.get("size")) or not is_count(info.get("bytes", 0)):
                 raise bad(f"refs[{name!r}] has no valid 'size' (and optional 'bytes')")
         nonfinite, metrics = _parse_health(doc.get("health"), bad)
         tree = _parse_tree(doc, files, block, bad, ws, depth=0, version=version)
@@ -321,15 +321,6 @@ def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, dict[str, flo
         else:
             raise bad(f"'health.metrics[{k!r}]' is not a number")
     return keys, out
-
-
-
-#: Counts (sizes, offsets, dimensions) lie below this.
-_COUNT_LIMIT = 1 << 62
-
-
-def _is_count(x: object) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _COUNT_LIMIT
 
 
 def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int, depth: int, under: str | None = None,
@@ -380,7 +371,7 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
         raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
     for s in shape:  # a loop, not all(): a load checks every entry
-        if type(s) is not int or not 0 <= s < _COUNT_LIMIT:
+        if type(s) is not int or not 0 <= s < COUNT_LIMIT:
             raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
     numel = math.prod(shape)
     if numel > _MAX_NUMEL:
@@ -400,20 +391,20 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
         off, size = c.get("offsets"), c.get("sizes")
         if not (isinstance(off, list) and isinstance(size, list) and len(off) == len(size) == len(shape)):
             raise bad(f"entry {key!r}: chunk offsets/sizes do not match the shape's rank")
-        if not all(_is_count(o) and _is_count(s) and o + s <= d for o, s, d in zip(off, size, shape)):
+        if not all(is_count(o) and is_count(s) and o + s <= d for o, s, d in zip(off, size, shape)):
             raise bad(f"entry {key!r}: a chunk lies outside the shape {shape}")
         fname = c.get("file")
         if not isinstance(fname, str) or fname not in files:
             raise bad(f"entry {key!r}: chunk file {fname!r} is not listed in 'files'")
         check_name(fname)
         length, offset = c.get("length"), c.get("offset")
-        if not _is_count(length) or not _is_count(offset):
+        if not is_count(length) or not is_count(offset):
             raise bad(f"entry {key!r}: chunk offset/length are not non-negative integers")
         if offset + length > files[fname]["size"]:
             raise bad(f"entry {key!r}: chunk bytes {offset}..{offset + length} lie beyond the end of {fname}")
         crc = c.get("crc32")
         want = max(1, -(-length // block))
-        if not isinstance(crc, list) or len(crc) != want or not all(_is_count(x) for x in crc):
+        if not isinstance(crc, list) or len(crc) != want or not all(is_count(x) for x in crc):
             raise bad(f"entry {key!r}: chunk 'crc32' must list {want} block checksums")
         covered += math.prod(size)
     if covered != numel:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
-from ..format.index import Located, chunk_name, parse_index
+from ..format.index import Located, box_at, chunk_name, parse_index
 from ..format.manifest import DAMAGED_FIX, MANIFEST_NAME, Manifest
 from ..format.refs import is_ref, split_ref
 from ..storage.base import Delegating, Storage
@@ -133,7 +133,7 @@ class Locator:
     manifest: Manifest
     _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
     _files: dict[int, tuple[str, dict[str, Located]]] = field(default_factory=dict)  # saving rank -> its file, index
-    _names: dict[tuple[int, ...], str] = field(default_factory=dict)  # a box's offsets -> its chunk name's "@o0,o1"
+    _boxes: dict[tuple[int, ...], str] = field(default_factory=dict)  # a box's offsets -> their part of a chunk name
 
     def __post_init__(self) -> None:
         self.storage = with_refs(self.storage, self.manifest)  # a reference reads from its sibling folder
@@ -154,10 +154,10 @@ class Locator:
                 at = self._files[chunk.rank] = (fname, idx)
             fname, idx = at
             offsets = chunk.box.offsets
-            where = self._names.get(offsets)
-            if where is None:
-                where = self._names[offsets] = chunk_name("", offsets)
-            name = f"/per_rank/{spec.key}{where}" if per_rank else spec.key + where
+            at_box = self._boxes.get(offsets)
+            if at_box is None:
+                at_box = self._boxes[offsets] = box_at(offsets)
+            name = chunk_name(spec.key, offsets, per_rank, at=at_box)
             got = idx.get(name)
             if got is None:
                 raise CorruptCheckpointError(

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, ShardpointError, UsageError
 from ..format.boxes import Box, box_runs
-from ..format.chunks import ChunkLoc, TensorSpec
+from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
 from ..format.datafile import crc32
 from ..plan.read import plan_reads, tiling_problem
 from ..storage import Storage
@@ -137,20 +137,24 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     parameter and its optimizer moments) are planned once."""
     jobs: list[ReadJob] = []
     add = jobs.append
-    known: dict[tuple[str, tuple[Box, ...]], list[_Step]] = {}
+    known: dict[tuple[str, tuple[Box, ...]], tuple[tuple[SavedChunk, ...], list[_Step]]] = {}
     locate = locator.locate
     for t in targets:
         spec = t.spec
         if t.fresh is not None:
             t.fresh.tensor = _allocate(spec, locator)
             t = t._replace(views=[t.fresh.tensor])
-        chunks = spec.chunks()
-        memo = None if spec.layout is None or spec.listed else (spec.layout, tuple(t.boxes))
-        steps = known.get(memo) if memo is not None else None
-        if steps is None:
+        # a layout (a text naming the shape and the saved boxes; None for listed chunks) and local boxes
+        # seen before: the same chunks and the same steps
+        memo = None if spec.layout is None else (spec.layout, tuple(t.boxes))
+        hit = known.get(memo) if memo is not None else None
+        if hit is None:
+            chunks = spec.chunks()
             steps = _steps(spec, [c.box for c in chunks], t.boxes)
             if memo is not None:
-                known[memo] = steps
+                known[memo] = (chunks, steps)
+        else:
+            chunks, steps = hit
         size, dtype, key, per_rank = spec.itemsize, spec.dtype, spec.key, t.per_rank
         bases: list[tuple[torch.Tensor, memoryview | None] | None] = [None] * len(t.views)
         for st in steps:
