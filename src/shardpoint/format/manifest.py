@@ -30,7 +30,7 @@ from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES
 from .digest import is_sealed, seal, unseal
-from .index import COUNT_LIMIT, check_record, is_count
+from .index import check_record, is_count
 from .names import check_name
 from .refs import split_ref
 
@@ -370,8 +370,8 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
         raise bad(f"entry {key!r}: 'numpy' must be true or false, and numpy has no {dtype}")
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
         raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
-    for s in shape:  # a loop, not all(): a load checks every entry
-        if type(s) is not int or not 0 <= s < COUNT_LIMIT:
+    for s in shape:  # a loop, not all() over a generator: a load checks every entry
+        if not is_count(s):
             raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
     numel = math.prod(shape)
     if numel > _MAX_NUMEL:
