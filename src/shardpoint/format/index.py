@@ -111,11 +111,12 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
                           f"({off + length} > {known[ref]['size']} bytes)")
         elif off + length > file_size:
             raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
-        if len(crcs) != (-(-length // block) or 1):
-            raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
+        want = -(-length // block) or 1
+        if len(crcs) != want:
+            raise bad(f"chunk {name!r} must list {want} block checksums")
         for c in crcs:
             if type(c) is not int or not 0 <= c < _CRC_LIMIT:
-                raise bad(f"chunk {name!r} must list {max(1, -(-length // block))} block checksums")
+                raise bad(f"chunk {name!r} must list {want} block checksums")
         out[name] = Located(off, length, crcs, ref)
     return out
 
