@@ -9,6 +9,7 @@ key decodes back to its typed path.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,10 +53,17 @@ class PerRank:
 
 
 def _enc(seg: str | int) -> str:
+    if type(seg) is str:
+        return _enc_str(seg)
     if isinstance(seg, bool) or not isinstance(seg, (str, int)):
         raise UnsupportedTypeError(f"a key segment must be a str or an int, not {type(seg).__name__} ({seg!r})")
-    if isinstance(seg, int):
-        return str(seg)
+    return str(seg) if isinstance(seg, int) else _enc_str(seg)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _enc_str(seg: str) -> str:
+    """A str segment, escaped. Cached: a state's keys repeat a few names (``weight``,
+    ``exp_avg``, ``step``) hundreds of times, and a load walks the state twice."""
     if seg == "":
         return "%"  # a lone '%' never comes out of the escaping below
     s = seg.replace("%", "%25").replace("/", "%2F")
@@ -148,6 +156,10 @@ def walk(state: object, prefix: str = "") -> Walk:
 
 
 def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
+    if isinstance(obj, torch.Tensor):  # the commonest leaf first (a PerRank is never one)
+        n = Node("tensor", obj=obj)
+        w.leaves[key] = n
+        return n
     if isinstance(obj, PerRank):
         if in_per_rank:
             return _walk(obj.value, key, w, True)

@@ -429,17 +429,20 @@ def _check_keys(containers: dict[str, str], entries: Mapping[str, object], bad: 
             raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
         if k == "":
             continue
-        # each parent ("" and every prefix up to a "/") and the segment below it
-        parent, pos = "", 0
+        # each parent ("" and every prefix up to a "/") and the segment below it, nearest
+        # first; a parent that is a container is a key of its own, whose parents its own
+        # turn checks, so the walk up stops there
+        end = len(k)
         while True:
-            end = k.find("/", pos)
+            cut = k.rfind("/", 0, end)
+            parent = k[:cut] if cut > 0 else ""
             if parent in entries:
                 raise bad(f"key {k!r} lies under the leaf {parent!r}")
             kind = containers.get(parent)
             if kind == "list" or kind == "tuple":
-                seg = k[pos:] if end < 0 else k[pos:end]
+                seg = k[cut + 1 : end]
                 if not (seg.isascii() and seg.isdigit()):
                     raise bad(f"key {k!r}: a {kind} is indexed by {seg!r}, not by an integer")
-            if end < 0:
+            if kind is not None or cut < 0:
                 break
-            parent, pos = k[:end], end + 1
+            end = cut

@@ -106,8 +106,10 @@ def _dtensor_chunks(key: str, dt: DTensor) -> LocalChunks:
     local_shape, offset = _local_box(shape, dt.device_mesh, placements)
     # DTensor's own attribute: to_local() is an autograd call (~10 us a tensor) for the same storage
     inner = getattr(dt, "_local_tensor", None)
-    local = (inner if isinstance(inner, torch.Tensor) else dt.to_local()).detach()
-    if tuple(local.shape) != tuple(local_shape):
+    local = inner if isinstance(inner, torch.Tensor) else dt.to_local()
+    if local.requires_grad:  # the same storage either way: a plain alias is enough to copy into
+        local = local.detach()
+    if tuple(local.shape) != local_shape:
         raise UsageError(
             f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
             f"{placements} give {tuple(local_shape)}; the layout is not one box and cannot be saved"

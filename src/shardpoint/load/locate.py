@@ -5,7 +5,6 @@ of its bytes (:class:`~shardpoint.format.chunks.ChunkLoc`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -144,20 +143,16 @@ class Locator:
         the key when the index lacks it or (``check_length``) its length contradicts
         its box."""
         loc = chunk.loc
+        box = chunk.box
         if loc is None:
             at = self._files.get(chunk.rank)
             if at is None:
-                fname, _ = self.manifest.file_end(chunk, spec.key)
-                idx = self._indexes.get(fname)
-                if idx is None:
-                    idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
-                at = self._files[chunk.rank] = (fname, idx)
+                at = self._index_of(spec, chunk)
             fname, idx = at
-            offsets = chunk.box.offsets
-            at_box = self._boxes.get(offsets)
+            at_box = self._boxes.get(box.offsets)
             if at_box is None:
-                at_box = self._boxes[offsets] = box_at(offsets)
-            name = chunk_name(spec.key, offsets, per_rank, at=at_box)
+                at_box = self._boxes[box.offsets] = box_at(box.offsets)
+            name = chunk_name(spec.key, box.offsets, per_rank, at=at_box)
             got = idx.get(name)
             if got is None:
                 raise CorruptCheckpointError(
@@ -165,12 +160,21 @@ class Locator:
                     f"{DAMAGED_FIX}"
                 )
             loc = ChunkLoc(got.ref or fname, got.offset, got.length, got.crc32)
-        if check_length and loc.length != math.prod(chunk.box.sizes) * spec.itemsize:
+        if check_length and loc.length != box.numel * spec.itemsize:
             raise CorruptCheckpointError(
                 f"key {spec.key!r}: a chunk in {loc.file} is {loc.length} bytes but its box holds "
                 f"{chunk.box.numel} x {spec.itemsize} bytes; the manifest is damaged. {DAMAGED_FIX}"
             )
         return loc
+
+    def _index_of(self, spec: TensorSpec, chunk: SavedChunk) -> tuple[str, dict[str, Located]]:
+        """The data file of ``chunk``'s saving rank and its index, read once."""
+        fname, _ = self.manifest.file_end(chunk, spec.key)
+        idx = self._indexes.get(fname)
+        if idx is None:
+            idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
+        at = self._files[chunk.rank] = (fname, idx)
+        return at
 
     def check_holds(self, spec: TensorSpec) -> None:
         """That the files of ``spec``'s chunks are long enough to hold them (before a

@@ -54,6 +54,8 @@ class _Selector:
     def __init__(self, only: list[str] | str | None, exclude: list[str] | str | None) -> None:
         self.only = [only] if isinstance(only, str) else only
         self.exclude = [exclude] if isinstance(exclude, str) else exclude
+        #: Every key is selected (no ``only``, no ``exclude``).
+        self.everything = self.only is None and not self.exclude
 
     def __call__(self, key: str) -> bool:
         if self.only is not None and not matches_prefix(key, self.only):
@@ -80,20 +82,24 @@ class TreeLoad:
     def check(self, strict: bool) -> None:
         """Keys and shapes, before anything is modified."""
         r = self.report
+        entries, tensors, local = self.tree.entries, self.tree.tensors, self.local
+        everything = self.select.everything
         for key, node in self.walk.leaves.items():
-            e = self._entry(key)
+            e = entries.get(key) if everything else self._entry(key)
             if e is None:
+                if everything:
+                    r.missing.append(key)
                 continue
             if node.kind == "tensor":
                 if e["kind"] != "tensor":
                     raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {e['kind']} in the checkpoint")
-                lc = self.local[key] = chunks_of(key, node.obj)
-                if tuple(lc.shape) != self.tree.tensors[key].shape:
+                lc = local[key] = chunks_of(key, node.obj)
+                if lc.shape != tensors[key].shape:
                     raise KeyMismatchError(
                         f"key {key!r}: the checkpoint holds shape {tuple(e['shape'])}, the local tensor has global shape "
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
-                if any(v.is_meta for v in lc.views):
+                if lc.views[0].is_meta if len(lc.views) == 1 else any(v.is_meta for v in lc.views):
                     raise KeyMismatchError(
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
@@ -105,9 +111,10 @@ class TreeLoad:
                     f"key {key!r} is a PerRank value in the local state but a {e['kind']} in the checkpoint; "
                     "wrap it (or not) in shardpoint.PerRank the way it was saved, or leave it out with exclude="
                 )
-        for key in self.tree.entries:
-            if not self.select(key) and key not in self.walk.leaves:
-                r.skipped.append(key)
+        if not everything:
+            for key in entries:
+                if not self.select(key) and key not in self.walk.leaves:
+                    r.skipped.append(key)
         if strict and r.missing:
             raise KeyMismatchError(
                 f"{len(r.missing)} key(s) of the local state are not in the checkpoint: {sorted(r.missing)[:20]}; "

@@ -162,8 +162,10 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             loc = locate(spec, chunk, per_rank)
             base = bases[st.target]
             if base is None:  # a parameter may require grad: write its data
-                view = t.views[st.target].detach()
-                whole = view.dtype == dtype and view.device.type == "cpu" and view.is_contiguous()
+                view = t.views[st.target]
+                if view.requires_grad:
+                    view = view.detach()
+                whole = view.dtype == dtype and view.is_cpu and view.is_contiguous()
                 base = bases[st.target] = (view, _bytes_of(view) if whole else None)
             view, out = base
             lo, hi = st.first * size, st.last * size
