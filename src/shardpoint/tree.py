@@ -156,7 +156,7 @@ def walk(state: object, prefix: str = "") -> Walk:
 
 
 def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
-    if isinstance(obj, torch.Tensor):  # the commonest leaf first (a PerRank is never one)
+    if isinstance(obj, (torch.Tensor, FlatShard, np.ndarray)):  # the commonest first (a PerRank is none of them)
         n = Node("tensor", obj=obj)
         w.leaves[key] = n
         return n
@@ -167,10 +167,6 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         sub.root = _walk(obj.value, key, sub, in_per_rank=True)
         w.per_rank[key] = sub
         return Node("per_rank", obj=obj, inner=sub.root)
-    if isinstance(obj, (torch.Tensor, FlatShard, np.ndarray)):
-        n = Node("tensor", obj=obj)
-        w.leaves[key] = n
-        return n
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, _PLAIN):

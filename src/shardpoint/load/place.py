@@ -82,13 +82,10 @@ class TreeLoad:
     def check(self, strict: bool) -> None:
         """Keys and shapes, before anything is modified."""
         r = self.report
-        entries, tensors, local = self.tree.entries, self.tree.tensors, self.local
-        everything = self.select.everything
+        tensors, local = self.tree.tensors, self.local
         for key, node in self.walk.leaves.items():
-            e = entries.get(key) if everything else self._entry(key)
+            e = self._entry(key)
             if e is None:
-                if everything:
-                    r.missing.append(key)
                 continue
             if node.kind == "tensor":
                 if e["kind"] != "tensor":
@@ -99,7 +96,8 @@ class TreeLoad:
                         f"key {key!r}: the checkpoint holds shape {tuple(e['shape'])}, the local tensor has global shape "
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
-                if lc.views[0].is_meta if len(lc.views) == 1 else any(v.is_meta for v in lc.views):
+                views = lc.views  # most tensors have one view: no generator for it (a load checks every tensor)
+                if views[0].is_meta if len(views) == 1 else any(v.is_meta for v in views):
                     raise KeyMismatchError(
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
@@ -111,8 +109,8 @@ class TreeLoad:
                     f"key {key!r} is a PerRank value in the local state but a {e['kind']} in the checkpoint; "
                     "wrap it (or not) in shardpoint.PerRank the way it was saved, or leave it out with exclude="
                 )
-        if not everything:
-            for key in entries:
+        if not self.select.everything:
+            for key in self.tree.entries:
                 if not self.select(key) and key not in self.walk.leaves:
                     r.skipped.append(key)
         if strict and r.missing:
@@ -124,7 +122,7 @@ class TreeLoad:
     def _entry(self, key: str) -> dict[str, Any] | None:
         """The checkpoint's entry for local ``key``, or None, recorded in the report as
         skipped (left out by the selection) or missing (not in the checkpoint)."""
-        if not self.select(key):
+        if not self.select.everything and not self.select(key):
             self.report.skipped.append(key)
             return None
         e = self.tree.entries.get(key)
