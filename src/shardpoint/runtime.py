@@ -10,7 +10,10 @@
   coordinator only a digest when its layout is unchanged);
 * ``in_flight``: the asynchronous save still running, if any (one at a time);
 * ``staging`` and ``pool``: the host buffers saves copy through, reused;
-* ``seams``: what tests and benchmarks may set or read (phase hooks, counters).
+* ``seams``: what tests and benchmarks may set or read (phase hooks, counters);
+* ``layout_checks``, ``layout_chunks`` and ``key_segments``: bounded memos of pure
+  functions (a manifest layout's check and chunks, a key segment's escaping), kept
+  across forks: they hold no process's resources.
 
 Its lifecycle:
 
@@ -122,6 +125,9 @@ class Process:
     #: Manifest layouts already expanded into their chunks (format.chunks.SavedChunk
     #: tuples, immutable and shared), by layout text.
     layout_chunks: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    #: State keys' str segments already escaped (tree.encode_key), by segment. Bounded by
+    #: tree.SEGMENTS_MAX.
+    key_segments: dict[str, str] = field(default_factory=dict)
     #: Whether the exit hook of the save in flight is registered (at the first save or restore).
     exit_hook: bool = False
     #: Per thread: the CUDA copy stream of each device (made on first use).

@@ -9,7 +9,6 @@ key decodes back to its typed path.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import torch
 
 from .errors import UnsupportedTypeError
 from .layout import FlatShard
+from .runtime import PROCESS
 
 __all__ = ["PerRank", "Stateful", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
 
@@ -52,23 +52,31 @@ class PerRank:
         return f"PerRank({self.value!r})"
 
 
+#: Most escaped str segments remembered (:attr:`shardpoint.runtime.Process.key_segments`).
+SEGMENTS_MAX = 1 << 16
+
+
 def _enc(seg: str | int) -> str:
-    if type(seg) is str:
-        return _enc_str(seg)
+    if type(seg) is str:  # remembered: a state's keys repeat a few names (weight, exp_avg, step) hundreds of times
+        got = PROCESS.key_segments.get(seg)
+        return got if got is not None else _enc_str(seg)
     if isinstance(seg, bool) or not isinstance(seg, (str, int)):
         raise UnsupportedTypeError(f"a key segment must be a str or an int, not {type(seg).__name__} ({seg!r})")
     return str(seg) if isinstance(seg, int) else _enc_str(seg)
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _enc_str(seg: str) -> str:
-    """A str segment, escaped. Cached: a state's keys repeat a few names (``weight``,
-    ``exp_avg``, ``step``) hundreds of times, and a load walks the state twice."""
+    """A str segment, escaped, and remembered."""
     if seg == "":
-        return "%"  # a lone '%' never comes out of the escaping below
-    s = seg.replace("%", "%25").replace("/", "%2F")
-    if _INT.match(s):
-        s = f"%{ord(s[0]):02X}{s[1:]}"
+        s = "%"  # a lone '%' never comes out of the escaping below
+    else:
+        s = seg.replace("%", "%25").replace("/", "%2F")
+        if _INT.match(s):
+            s = f"%{ord(s[0]):02X}{s[1:]}"
+    memo = PROCESS.key_segments
+    if len(memo) >= SEGMENTS_MAX:
+        memo.clear()
+    memo[seg] = s
     return s
 
 
