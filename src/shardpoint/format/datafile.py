@@ -22,6 +22,24 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; fall back whe
 #: Bytes covered by one CRC-32 in the manifest; partial reads are rounded out to it.
 CRC_BLOCK = int(os.environ.get("SHARDPOINT_CRC_BLOCK", 1 << 20))
 
+
+def crc_count(length: int, block: int) -> int:
+    """How many block CRCs a chunk of ``length`` bytes has: one per ``block`` bytes,
+    the last block short, and one (of no bytes) for an empty chunk."""
+    return -(-length // block) or 1
+
+
+def first_bad_block(data: bytes | bytearray | memoryview, crcs: Sequence[int], block: int) -> int | None:
+    """The first block of a whole chunk's bytes ``data`` whose CRC-32 is not the one
+    ``crcs`` lists for it (``crcs`` has :func:`crc_count` entries), or None."""
+    if len(data) <= block:
+        return None if crc32(data) == crcs[0] else 0
+    view = memoryview(data)
+    for k, s in enumerate(range(0, len(view), block)):
+        if crc32(view[s : s + block]) != crcs[k]:
+            return k
+    return None
+
 # torch dtype name -> safetensors dtype code (None: stored as raw bytes, "U8")
 DTYPES: dict[str, str | None] = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",

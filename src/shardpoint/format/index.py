@@ -15,7 +15,7 @@ import re
 from typing import Any, NamedTuple, TypeGuard
 
 from ..errors import CorruptCheckpointError
-from .datafile import WrittenChunk
+from .datafile import WrittenChunk, crc_count
 
 INDEX_FORMAT = "shardpoint-index"
 #: Offsets, lengths and other counts in an index or a manifest lie below this.
@@ -111,7 +111,7 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
                           f"({off + length} > {known[ref]['size']} bytes)")
         elif off + length > file_size:
             raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
-        want = -(-length // block) or 1
+        want = crc_count(length, block)
         if len(crcs) != want:
             raise bad(f"chunk {name!r} must list {want} block checksums")
         for c in crcs:

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from ..errors import CorruptCheckpointError, UnsupportedTypeError
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
-from .datafile import DTYPES, ITEMSIZES
+from .datafile import DTYPES, ITEMSIZES, crc_count
 from .digest import is_sealed, seal, unseal
 from .index import check_record, is_count
 from .names import check_name
@@ -403,7 +403,7 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
         if offset + length > files[fname]["size"]:
             raise bad(f"entry {key!r}: chunk bytes {offset}..{offset + length} lie beyond the end of {fname}")
         crc = c.get("crc32")
-        want = max(1, -(-length // block))
+        want = crc_count(length, block)
         if not isinstance(crc, list) or len(crc) != want or not all(is_count(x) for x in crc):
             raise bad(f"entry {key!r}: chunk 'crc32' must list {want} block checksums")
         covered += math.prod(size)

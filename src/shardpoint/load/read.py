@@ -22,7 +22,7 @@ import torch
 from ..errors import CorruptCheckpointError, ShardpointError, UsageError
 from ..format.boxes import Box, box_runs
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
-from ..format.datafile import crc32
+from ..format.datafile import crc32, first_bad_block
 from ..plan.read import plan_reads, tiling_problem
 from ..storage import Storage
 from .locate import Locator
@@ -428,15 +428,9 @@ class Reader:
     def _check_whole(self, j: ReadJob, data: _Bytes) -> None:
         """Check every block of a whole chunk whose bytes are ``data`` (what :meth:`_check`
         does for ``[0, length)``, without its partial-block arithmetic)."""
-        blk, crcs = self.block, j.loc.crc32
-        if len(data) <= blk:
-            if crc32(data) != crcs[0]:
-                self._mismatch(j, 0, len(data))
-            return
-        view = memoryview(data)
-        for k, s in enumerate(range(0, len(view), blk)):
-            if crc32(view[s : s + blk]) != crcs[k]:
-                self._mismatch(j, s, min(s + blk, len(view)))
+        k = first_bad_block(data, j.loc.crc32, self.block)
+        if k is not None:
+            self._mismatch(j, k * self.block, min((k + 1) * self.block, len(data)))
 
     def _mismatch(self, j: ReadJob, s: int, e: int) -> NoReturn:
         loc = j.loc

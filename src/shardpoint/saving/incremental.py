@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import ShardpointError
-from ..format.datafile import CRC_BLOCK, WrittenChunk, crc32, tensor_bytes
+from ..format.datafile import CRC_BLOCK, WrittenChunk, crc_count, first_bad_block, tensor_bytes
 from ..format.index import Located
 from ..format.refs import split_ref
 from ..storage import Storage
@@ -70,15 +70,7 @@ def _digest(view: memoryview) -> bytes:
 
 def _crcs_equal(view: memoryview, want: list[int], block: int) -> bool:
     """Whether ``view``'s block CRCs are ``want``, stopping at the first that differs."""
-    n = len(view)
-    if len(want) != max(1, -(-n // block)):
-        return False
-    if n == 0:
-        return want == [0]
-    for j, i in enumerate(range(0, n, block)):
-        if crc32(view[i : i + block]) != want[j]:
-            return False
-    return True
+    return len(want) == crc_count(len(view), block) and first_bad_block(view, want, block) is None
 
 
 @dataclass(slots=True)
