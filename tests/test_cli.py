@@ -149,11 +149,11 @@ def test_prune_dry_run_then_for_real(root: Path, capsys: pytest.CaptureFixture[s
     assert code == 0
     assert "would remove step-00000010" in out and "would remove step-00000020" in out and "step-00000030" not in out
     assert "left 1 incomplete folder(s) alone (steps [40])" in out
-    assert sorted(os.listdir(root)) == ["latest", "step-00000010", "step-00000020", "step-00000030", "step-00000040"]
+    assert sorted(os.listdir(root)) == ["latest", "owners", "step-00000010", "step-00000020", "step-00000030", "step-00000040"]
 
     code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--keep-every", "20")
     assert code == 0 and "removed step-00000010" in out and "kept 2 committed checkpoint(s): steps [20, 30]" in out
-    assert sorted(os.listdir(root)) == ["latest", "step-00000020", "step-00000030", "step-00000040"]
+    assert sorted(os.listdir(root)) == ["latest", "owners", "step-00000020", "step-00000030", "step-00000040"]
     code, out, _ = run(capsys, "prune", str(root), "--keep-last", "2", "--incomplete")
     assert code == 0 and "removed step-00000040 (incomplete" in out
     assert shardpoint.CheckpointManager(root).latest().step == 30

@@ -56,7 +56,7 @@ def test_retention_keep_last_with_a_failed_save(tmp_path) -> None:  # type: igno
     for step in (5, 6, 7):
         _save_step(mgr, step)
     assert [i.step for i in mgr.list()] == [6, 7]
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000006", "step-00000007"], "leftovers must be cleared"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "owners", "step-00000006", "step-00000007"], "leftovers must be cleared"
 
 
 def test_retention_keep_every(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -79,7 +79,10 @@ def test_retention_never_deletes_the_restored_checkpoint(tmp_path) -> None:  # t
 def test_latest_follows_a_rollback(tmp_path) -> None:  # type: ignore[no-untyped-def]
     mgr = shardpoint.CheckpointManager(tmp_path)
     _save_step(mgr, 500)
-    _save_step(mgr, 200)  # the run was rolled back and resumed from an earlier point
+    # the run was rolled back and resumed from an earlier point: a new attempt (a new manager
+    # claims the root anew; latest never moves back within one attempt)
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    _save_step(mgr, 200)
     assert mgr.latest().step == 200
     m = filled(0.0)
     assert mgr.restore(shardpoint.TrainState(model=m, rng=False, step=0)).step == 200
@@ -142,8 +145,8 @@ def test_damaged_latest_is_an_error_unless_fallback(tmp_path) -> None:  # type: 
 
 
 def test_damaged_newest_manifest_is_an_error_unless_fallback(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    mgr = shardpoint.CheckpointManager(tmp_path)
-    for step in (100, 500, 200):  # rolled back to 100, then saved 200: latest names 200
+    for step in (100, 500, 200):  # rolled back to 100 (a new attempt), then saved 200: latest names 200
+        mgr = shardpoint.CheckpointManager(tmp_path)
         _save_step(mgr, step)
     _flip(tmp_path / "step-00000200" / "manifest.json", 300)
     with pytest.raises(shardpoint.CorruptCheckpointError, match=r"step 200 is damaged: .*step-00000200/manifest.json"):

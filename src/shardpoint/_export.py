@@ -14,6 +14,7 @@ from .format.index import Located, digest, index_name
 from .format.manifest import MANIFEST_NAME
 from .load.locate import read_index, read_manifest, with_refs
 from .load.read import read_verified
+from .saving.commit import commit_checkpoint, exists_error
 from .storage import Storage
 
 #: Bytes copied per read.
@@ -36,6 +37,8 @@ def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) ->
     a failed export leaves no checkpoint at ``dst``."""
     try:
         _export(src, dst, overwrite)
+    except ShardpointError:  # named already (some are OSErrors too: a checkpoint in the way)
+        raise
     except OSError as e:  # the destination (a full disk, no permission): the source's damage is named otherwise
         raise ShardpointError(
             f"exporting {src.url} to {dst.url} failed: {e}. Nothing was committed at {dst.url} (its manifest is written "
@@ -45,12 +48,12 @@ def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) ->
 
 def _export(src: Storage, dst: Storage, overwrite: bool) -> None:
     m = read_manifest(src)
-    if dst.exists(MANIFEST_NAME) and not overwrite:
-        raise ShardpointError(f"a checkpoint already exists at {dst.url}; pass overwrite=True to replace it")
+    if not overwrite and dst.exists(MANIFEST_NAME):  # before anything is copied
+        raise exists_error(dst)
     if not m.refs:  # self-contained already (any version): a byte copy
         for name in m.stored_files():
             dst.write_file(name, _pieces(src, name))
-        dst.write_atomic(MANIFEST_NAME, bytes(src.read(MANIFEST_NAME)))
+        commit_checkpoint(dst, m, replace=overwrite, data=bytes(src.read(MANIFEST_NAME)), what="the export")
         return
     reader = with_refs(src, m)
     headers: dict[str, dict[str, HeaderEntry]] = {}
@@ -82,7 +85,7 @@ def _export(src: Storage, dst: Storage, overwrite: bool) -> None:
                         "index": {"name": iname, "size": len(idx_bytes), "sha256": digest(idx_bytes)}}
     m.files, m.refs = files, {}
     m._by_rank = None
-    dst.write_atomic(MANIFEST_NAME, m.to_bytes())
+    commit_checkpoint(dst, m, replace=overwrite, what="the export")
 
 
 def _copied(reader: Storage, fname: str, order: list[tuple[str, Located]], block: int, head: bytes,

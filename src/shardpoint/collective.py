@@ -128,6 +128,9 @@ class _Channel(_Background):
         #: Tagged slots of the current call number that this rank left abandoned, and
         #: their verdicts: calling one again raises at once instead of counting in twice.
         self.given_up: dict[str, bytes] = {}
+        #: After a call at which the ranks disagreed: each rank's (operation, path) there,
+        #: the same on every rank; the next call uses it to re-align (``_arrive_in_order``).
+        self.mismatched: dict[int, tuple[str, str]] | None = None
 
     def open(self) -> None:
         """Make both lanes, on the caller's thread. Called where every rank of the
@@ -299,7 +302,16 @@ class Comm:
         ch.open()
 
     def _arrive_in_order(self, op: str, path: str, digest: str) -> None:
-        """The ranks meet at the next call number (see :meth:`arrive`)."""
+        """The ranks meet at the next call number (see :meth:`arrive`).
+
+        Ranks that meet with different operations or paths all raise at once, naming
+        each rank's call. A misuse (rank 0 alone calls ``save(step 1)`` while the others
+        are already at ``save(step 2)``) would then pair every later call of rank 0
+        with the next one of the others; so a mismatch is remembered, and at the next
+        call a rank whose call is one the others already made at the mismatch (and
+        that they have since moved past) is *behind*: it raises at once (that call was
+        abandoned on the others), while the others' calls meet again at the next call
+        number, where the behind ranks' next calls find them."""
         ch = self.channel
         s, world = self.store, self.world
         assert ch is not None and s is not None
@@ -317,28 +329,69 @@ class Comm:
                 s.add(k + "bad", 1)
             n = s.add(k + "n", 1)
             s.append(k + "who", json.dumps({"r": self.rank, "n": n, "op": op, "path": path}) + "\n")
-            if n < _ABORT or ref == digest.encode():
-                break
-            # a call this rank never made (another op or path, on some ranks only: a
-            # save behind `if rank == 0:`) was given up here before it came; it is
-            # not late for it, so it moves on to the next call instead of failing
-            self._leave(k)
-        verdict = self._released(s, k, n, world, lambda: b"ok" if s.add(k + "bad", 0) == 0 else b"mismatch")
-        try:
-            if verdict.startswith(b"aborted"):
-                self._raise_aborted(op, path, verdict)
-            if verdict == b"mismatch":
-                records = {rec["r"]: rec for rec in self._records(k, world, lambda recs: len(recs) >= world)}
-                ordered = [records[r] for r in sorted(records)]
-                detail = ", ".join(f"rank {rec['r']}: {rec['op']}({rec['path']!r})" for rec in ordered)
-                first = (ordered[0]["op"], ordered[0]["path"])
-                raise CollectiveMismatchError(
-                    f"ranks called different checkpoint operations or paths at the same point: {detail}; "
-                    "every rank of the group must call the same shardpoint function with the same path",
-                    ranks=[rec["r"] for rec in ordered if (rec["op"], rec["path"]) != first],
-                )
-        finally:
-            self._leave(k)
+            if n >= _ABORT and ref != digest.encode():
+                # a call this rank never made (another op or path, on some ranks only: a
+                # save behind `if rank == 0:`) was given up here before it came; it is
+                # not late for it, so it moves on to the next call instead of failing
+                self._leave(k)
+                continue
+            verdict = self._released(s, k, n, world, functools.partial(self._in_order_verdict, k))
+            try:
+                if verdict.startswith(b"aborted"):
+                    ch.mismatched = None
+                    self._raise_aborted(op, path, verdict)
+                if verdict.startswith(b"behind:"):
+                    behind = json.loads(verdict.decode().split(":", 1)[1])
+                    before, ch.mismatched = ch.mismatched, None
+                    if self.rank in behind:
+                        raise self._behind(op, path, before or {})
+                    continue  # not behind: this call meets the behind ranks' next one, at the next number
+                if verdict == b"mismatch":
+                    records = {rec["r"]: rec for rec in self._records(k, world, lambda recs: len(recs) >= world)}
+                    ordered = [records[r] for r in sorted(records)]
+                    ch.mismatched = {rec["r"]: (rec["op"], rec["path"]) for rec in ordered}
+                    detail = ", ".join(f"rank {rec['r']}: {rec['op']}({rec['path']!r})" for rec in ordered)
+                    first = (ordered[0]["op"], ordered[0]["path"])
+                    raise CollectiveMismatchError(
+                        f"ranks called different checkpoint operations or paths at the same point: {detail}; "
+                        "every rank of the group must call the same shardpoint function with the same path",
+                        ranks=[rec["r"] for rec in ordered if (rec["op"], rec["path"]) != first],
+                    )
+                ch.mismatched = None
+                return
+            finally:
+                self._leave(k)
+
+    def _in_order_verdict(self, k: str) -> bytes:
+        """The verdict of call ``k``, by the last rank to count in: ``ok``; else, right
+        after a mismatch, ``behind:[ranks]`` when some ranks made a call the others
+        made at the mismatch and then moved past (see :meth:`_arrive_in_order`); else
+        ``mismatch``."""
+        s, ch = self.store, self.channel
+        assert s is not None and ch is not None
+        if s.add(k + "bad", 0) == 0:
+            return b"ok"
+        before = ch.mismatched
+        if not before:
+            return b"mismatch"
+        now = {rec["r"]: (rec["op"], rec["path"]) for rec in self._records(k, self.world, lambda rs: len(rs) >= self.world)}
+        moved_on = {r for r in now if r in before and now[r] != before[r]}
+        behind = sorted(r for r, call in now.items() if r in moved_on
+                        and any(before.get(o) == call for o in moved_on if o != r))
+        return b"behind:" + json.dumps(behind).encode() if behind else b"mismatch"
+
+    def _behind(self, op: str, path: str, before: dict[int, tuple[str, str]]) -> CollectiveMismatchError:
+        """The error of a rank that is behind (see :meth:`_arrive_in_order`)."""
+        made = sorted(r for r, call in before.items() if call == (op, path))
+        mine = before.get(self.rank)
+        met = f"this rank's {mine[0]}({mine[1]!r})" if mine else "another call of this rank"
+        return CollectiveMismatchError(
+            f"shardpoint.{op}({path!r}) was abandoned before this rank made it: ranks {made} made it at the previous "
+            f"checkpoint call, where it met {met} and failed on every rank (the CollectiveMismatchError raised there "
+            "names each rank's call). Nothing was saved or loaded by this call; the next call that every rank makes "
+            "meets as usual. Call checkpoint functions on all ranks in the same order",
+            ranks=made,
+        )
 
     def _arrive_tagged(self, op: str, path: str, digest: str) -> None:
         """The ranks meet in the slot ``<next call number>/t/<digest of op, path,

@@ -19,6 +19,8 @@ __all__ = [
     "UnsupportedTypeError",
     "SaveTimeoutError",
     "ObjectStoreError",
+    "CheckpointExistsError",
+    "FencedError",
 ]
 
 
@@ -56,6 +58,29 @@ class CollectiveMismatchError(ShardpointError):
 class UsageError(ShardpointError, ValueError):
     """An argument or a state that shardpoint cannot take (a bad option, a value it
     cannot save); also a ``ValueError``, so ``except ValueError`` keeps working."""
+
+
+class CheckpointExistsError(UsageError, FileExistsError):
+    """A committed checkpoint is already at the path a save (or a converter) writes
+    to, and it was not asked to replace it (``overwrite=True``). Raised alike by a
+    collective save, the offline converters and the memory tier's drain."""
+
+    def __str__(self) -> str:  # OSError would format its args as (errno, strerror)
+        return str(self.args[0]) if self.args else ""
+
+
+class FencedError(ShardpointError):
+    """A newer attempt of the job took ownership of the checkpoint root (it restored
+    from it, or saved into it, after this one): this attempt's commit, ``latest``
+    update or retention was refused and nothing was written. The message names the
+    root, both generations and what to do. See docs/guarantees.md ("one writer")."""
+
+    def __init__(self, message: str, *, root: str = "", generation: int = 0, newer: int = 0) -> None:
+        super().__init__(message)
+        #: The manager root.
+        self.root = root
+        #: This attempt's generation, and the newer one that took the root.
+        self.generation, self.newer = generation, newer
 
 
 class UnsupportedTypeError(ShardpointError, TypeError):

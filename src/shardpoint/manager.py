@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import json
-import re
 import signal
 import threading
 import warnings
@@ -17,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 from .api import DEFAULT_TIMEOUT, PathLike, load
 from .collective import Comm
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
-from .format.digest import is_sealed, seal, unseal
 from .format.manifest import MANIFEST_NAME
+from .format.pointer import LATEST, STEP_FOLDER, Pointer
 from .format.refs import split_ref
 from .load.locate import read_manifest
 from .report import LoadReport
+from .saving.fence import Owner, claim
 from .saving.handle import SaveHandle
 from .saving.incremental import Session, Tracker
 from .saving.pipeline import save_state
@@ -36,11 +35,7 @@ if TYPE_CHECKING:
 #: What ``signal.signal`` returns: the handler it replaced.
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
-_STEP = re.compile(r"^step-(\d+)$")
-LATEST = "latest"
-#: The only unsealed ``latest`` read (as written before seals): one step folder name, an optional newline.
-#: A sealed pointer starts with '{"seal":' and is ~100 bytes, so no single flipped bit turns it into this.
-_LEGACY_LATEST = re.compile(rb"step-\d{1,20}\n?")
+_STEP = STEP_FOLDER
 _EPOCH = datetime.fromtimestamp(0, tz=timezone.utc)
 
 
@@ -170,6 +165,7 @@ class CheckpointManager:
         self.incremental = incremental
         self._tracker = Tracker() if incremental else None
         self._session: Session | None = None
+        self._owner: Owner | None = None  # rank 0: this attempt's claim on the root (saving/fence.py)
         self._tiers = self._make_tiers(memory)  # memory tier: see the block at the end of the class
 
     # -- discovery ------------------------------------------------------------------
@@ -218,17 +214,7 @@ class CheckpointManager:
             data = bytes(self.storage.read(LATEST))
         except OSError as e:
             raise CorruptCheckpointError(f"{where}: cannot be read ({e}). {fix}") from e
-        if not is_sealed(data):
-            if _LEGACY_LATEST.fullmatch(data):  # written by a shardpoint without seals
-                return data.decode().strip()
-            raise CorruptCheckpointError(f"{where}: not a checkpoint pointer (no valid seal): the file is damaged. {fix}")
-        try:
-            name = json.loads(unseal(data, where, fix=fix))["latest"]
-        except (ValueError, KeyError, TypeError):
-            name = None
-        if not isinstance(name, str) or not _STEP.match(name):
-            raise CorruptCheckpointError(f"{where}: its seal matches but it names no step folder. {fix}")
-        return name
+        return Pointer.parse(data, where, fix).folder
 
     def _resume_point(self) -> CheckpointInfo | None:
         """What :meth:`latest` returns; raises CorruptCheckpointError naming the file."""
@@ -283,15 +269,11 @@ class CheckpointManager:
         self.wait()
         name = self.step_dir(step)
         target = self.storage.child(name)
-
-        def point_latest() -> None:
-            self.storage.write_atomic(LATEST, seal(json.dumps({"latest": name}, separators=(",", ":")).encode()))
-
         if overlap and blocking:
             raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
         session = self._tracker.begin(name) if self._tracker is not None else None
-        options = SaveOptions(overwrite=True, on_commit=point_latest, after_commit=lambda: self._retain(newest=step),
-                              incremental=session, metrics=metrics)
+        options = SaveOptions(overwrite=True, owner=self._owner_of, latest=name, what=f"the save of step {step}",
+                              after_commit=lambda: self._retain(newest=step), incremental=session, metrics=metrics)
         try:
             handle = save_state(Comm(self.process_group, self.timeout), target, state, options,
                                 blocking=blocking, overlap=overlap)
@@ -324,8 +306,45 @@ class CheckpointManager:
         if self._tiers is not None:  # memory tier: the drain in flight
             self._tiers.wait()
 
+    # -- ownership (saving/fence.py) ------------------------------------------------------
+    def _owner_of(self) -> Owner:
+        """Rank 0: this attempt's claim on the root, made on first use (a first save
+        that did not restore). Every commit, ``latest`` update and retention pass is
+        checked against it."""
+        if self._owner is None:
+            self._owner = claim(self.storage)
+        return self._owner
+
+    def _claim(self) -> None:
+        """Rank 0, at a restore: claim the next generation of the root, so that an
+        older attempt of the job that is only frozen can no longer commit, move
+        ``latest`` or delete anything once it wakes. A claim that fails (a read-only
+        root) is only warned about: the first save claims again, and fails there."""
+        if Comm(self.process_group, self.timeout).rank != 0:
+            return
+        try:
+            self._owner = claim(self.storage)
+        except (OSError, ShardpointError) as e:
+            self._owner = None
+            warnings.warn(f"shardpoint: could not claim {self.root} for this attempt ({e}); the first save claims it "
+                          "again", stacklevel=3)
+
+    @property
+    def generation(self) -> int | None:
+        """This attempt's generation of the root (rank 0, once it restored or saved;
+        None elsewhere and before): see docs/guarantees.md, "one writer"."""
+        return self._owner.generation if self._owner is not None else None
+
     def _retain(self, newest: int) -> None:
-        committed = self.list()
+        """Retention after step ``newest`` committed (rank 0). Refused to an attempt a
+        newer one superseded. Counted and deleted: committed steps up to ``newest``
+        that the policy does not keep; a committed step above ``newest`` is an older
+        attempt's (frozen between its manifest and ``latest``) and is left alone.
+        Deleted too: folders with no manifest (leftovers of saves that never committed:
+        this attempt's, or an older attempt's in flight, which can no longer commit)."""
+        self._owner_of().check(f"retention after the save of step {newest}")
+        found = self.list()
+        committed = [i for i in found if i.step <= newest]
         keep = {newest}
         if self._restored is not None:
             keep.add(self._restored)
@@ -337,11 +356,12 @@ class CheckpointManager:
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
         committed_names = {self.step_dir(i.step) for i in committed}
+        ahead = {self.step_dir(i.step) for i in found if i.step > newest}
         doomed = [name for name in self.storage.list_dirs() if (m := _STEP.match(name)) and int(m.group(1)) != newest
-                  and not (int(m.group(1)) in keep and name in committed_names)]
+                  and name not in ahead and not (int(m.group(1)) in keep and name in committed_names)]
         if not doomed:
             return
-        kept = [self.step_dir(i.step) for i in committed if i.step in keep] + [self.step_dir(newest)]
+        kept = [self.step_dir(i.step) for i in committed if i.step in keep] + [self.step_dir(newest)] + sorted(ahead)
         needed = referenced_files(self.storage, kept)
         if needed is None:
             warnings.warn(f"shardpoint: retention under {self.root} skipped: a kept checkpoint's manifest cannot be "
@@ -406,6 +426,8 @@ class CheckpointManager:
         from .saving.handle import settle_in_flight
 
         settle_in_flight()
+        if self._tiers is None or not self._tiers.bypass:  # not the ladder's own durable restore: claimed there
+            self._claim()
         if self._tiers is not None and not self._tiers.bypass:  # memory tier: the restore ladder
             return self._tiers_restore(state, step, only=only, exclude=exclude, strict=strict, fallback=fallback,
                                        accept=accept)
@@ -432,8 +454,16 @@ class CheckpointManager:
             why = _unhealthy(info, None)
             if why:
                 warnings.warn(f"shardpoint: restoring step {step} as asked, although it holds {why}", stacklevel=2)
-        report = load(state, self.storage.child(self.step_dir(info.step)), only=only, exclude=exclude, strict=strict,
-                      process_group=self.process_group, timeout=self.timeout)
+        while True:
+            try:
+                report = load(state, self.storage.child(self.step_dir(info.step)), only=only, exclude=exclude,
+                              strict=strict, process_group=self.process_group, timeout=self.timeout)
+                break
+            except CorruptCheckpointError as e:  # its data is missing or damaged (every rank raises alike)
+                if not fallback or step is not None:
+                    raise
+                info, more = self._before_damaged(info, e, accept)
+                passed.update(more)
         report.step = info.step
         report.passed_over = passed
         self._restored = info.step
@@ -458,6 +488,21 @@ class CheckpointManager:
                 f"no checkpoint under {self.root} is fit to resume from ({detail}). Load one as it is with "
                 "restore(state, step=N), or start from scratch")
         return info, passed
+
+    def _before_damaged(self, bad: CheckpointInfo, error: CorruptCheckpointError,
+                        accept: Callable[[CheckpointInfo], bool] | None) -> tuple[CheckpointInfo, dict[int, str]]:
+        """``restore(fallback=True)`` after loading ``bad`` failed on missing or damaged
+        data: the newest fit checkpoint before it (warned about, naming both), and the
+        steps passed over on the way. What the failed load had filled in is overwritten
+        by this one for every key both hold."""
+        older = [i for i in self.list() if i.step < bad.step and i.damaged is None]
+        if not older:
+            raise CorruptCheckpointError(f"{error}; no sound checkpoint before step {bad.step} to fall back to under "
+                                         f"{self.root}") from error
+        warnings.warn(f"shardpoint: step {bad.step} under {self.root} cannot be loaded ({error}); falling back to the "
+                      "checkpoint before it", stacklevel=3)
+        info, passed = self._healthy_from(older[-1], accept)
+        return info, {bad.step: f"missing or damaged data: {error}", **passed}
 
     def _fallback(self, error: CorruptCheckpointError) -> CheckpointInfo:
         """The newest sound checkpoint older than the damaged one to resume from
@@ -508,11 +553,8 @@ class CheckpointManager:
                              "not supported yet (a drained checkpoint would refer to files in shared memory); "
                              "leave one of them out")
 
-        def pointer(step: int) -> bytes:
-            return seal(json.dumps({"latest": self.step_dir(step)}, separators=(",", ":")).encode())
-
         return Tiers(memory, root=self.root, storage_options=self._storage_options, process_group=self.process_group,
-                     timeout=self.timeout, folder=self.step_dir, pointer=pointer,
+                     timeout=self.timeout, folder=self.step_dir, owner=self._owner_of,
                      on_drained=lambda s: self._retain(newest=s))
 
     @property

@@ -196,3 +196,66 @@ def test_a_tagged_save_only_rank_0_makes_never_meets_the_next_one(tmp_path) -> N
         assert r["b"] and r["a"] and not r["a_before"], r
         assert r["seq"] == res[0]["seq"], res  # the call numbers stay in step
         assert r["keys_added"] <= 4, r  # at most the abandoned slot's n, who, go, out
+
+
+def misuse_then_steps_case(rank: int, world: int, tmp: str, how: str) -> dict:
+    """Rank 0 alone makes one checkpoint call (``how``: a manager save of step 1, a
+    ``shardpoint.save`` or a ``shardpoint.load``) while the other ranks go straight on
+    to the saves of steps 2, 3 and 4 that every rank makes: they meet rank 0's stray
+    call, and everyone is told. Then the channel re-aligns: steps 3 and 4 commit on
+    every rank, and the resume point is step 4."""
+    import torch.distributed as dist
+
+    mgr = shardpoint.CheckpointManager(f"{tmp}/mgr", timeout=LONG)
+    shardpoint.save(state(rank), f"{tmp}/p0", timeout=LONG)  # something for the stray load to load
+    dist.barrier()
+
+    def save(step: int) -> None:
+        if how == "manager":
+            mgr.save(state(rank), step)
+        else:
+            shardpoint.save(state(rank), f"{tmp}/p{step}", timeout=LONG)
+
+    out: dict = {"stray": None, "steps": {}}
+    if rank == 0:
+        with pytest.raises(CollectiveMismatchError) as ei:
+            if how == "manager":
+                mgr.save(state(rank), 1)
+            elif how == "save":
+                shardpoint.save(state(rank), f"{tmp}/p1", timeout=LONG)
+            else:
+                shardpoint.load({"w": torch.zeros(6), "step": 0, "rng": shardpoint.PerRank(-1)}, f"{tmp}/p0",
+                                timeout=LONG)
+        out["stray"] = {"ranks": ei.value.ranks, "msg": str(ei.value)}
+    for step in (2, 3, 4):
+        t0 = time.monotonic()
+        try:
+            save(step)
+            out["steps"][step] = "ok"
+        except CollectiveMismatchError as e:
+            out["steps"][step] = f"{e.ranks} {e}"
+        out.setdefault("took", {})[step] = time.monotonic() - t0
+    target = {"w": torch.zeros(6), "step": 0, "rng": shardpoint.PerRank(-1)}
+    if how == "manager":
+        out["restored"] = shardpoint.CheckpointManager(f"{tmp}/mgr", timeout=LONG).restore(target).step
+    else:
+        shardpoint.load(target, f"{tmp}/p4", timeout=LONG)
+        out["restored"] = 4 if torch.equal(target["w"], torch.arange(6.0)) else None
+    return out
+
+
+@pytest.mark.parametrize("how", ["manager", "save", "load"])
+def test_the_calls_after_a_misuse_meet_again(tmp_path, how: str) -> None:  # type: ignore[no-untyped-def]
+    res = run_ranks(misuse_then_steps_case, 2, str(tmp_path), how, timeout=240)
+    stray = res[0]["stray"]
+    assert stray["ranks"] == [1] and "different checkpoint operations or paths" in stray["msg"], stray
+    for r in res:
+        assert r["steps"][3] == "ok" and r["steps"][4] == "ok", r
+        assert r["restored"] == 4, r
+        assert all(t < LONG for t in r["took"].values()), r  # nobody sat out a timeout
+    # the call that met the misuse: rank 1's save of step 2 failed with it; rank 0's, made
+    # after it, is refused at once as abandoned, naming rank 1
+    assert "different checkpoint operations or paths" in res[1]["steps"][2], res[1]
+    assert res[0]["steps"][2].startswith("[1] ") and "was abandoned before this rank made it" in res[0]["steps"][2]
+    step2 = tmp_path / ("mgr/step-00000002" if how == "manager" else "p2") / "manifest.json"
+    assert not step2.exists()

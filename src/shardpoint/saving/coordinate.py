@@ -17,17 +17,18 @@ from ..errors import ShardpointError
 from ..format.manifest import MANIFEST_NAME
 from ..runtime import PROCESS
 from ..storage import Storage
+from .commit import exists_error
 from .coordinator import Coordinator, layout_message
-from .records import Assignment, Described, HeldAssignment, Planned
+from .records import Assignment, Described, HeldAssignment, Planned, SaveOptions
 
 
 def request_assignment(comm: Comm, storage: Storage, described: Described | None, error: BaseException | None,
-         overwrite: bool) -> tuple[Planned, Coordinator | None]:
+                       options: SaveOptions) -> tuple[Planned, Coordinator | None]:
     """This rank's assignment and the save id (collective), and on rank 0 the
     coordinator that will build the manifest. Raises on every rank when any rank
-    failed to describe its state, a checkpoint is in the way, or the plan is refused."""
+    failed to describe its state, a checkpoint is in the way, a newer attempt owns
+    the manager root (nothing is written then), or the plan is refused."""
     coord = Coordinator(comm.tag, comm.world) if comm.rank == 0 else None
-    existed = False
     digest, whole = layout_message(described.layout(), None) if described is not None else ("", None)
     # rank 0's structure digest: a rank whose structure is the same (the usual case) leaves its own out
     reference = comm.broadcast_json(whole["sd"] if whole is not None and comm.rank == 0 else None)
@@ -41,14 +42,11 @@ def request_assignment(comm: Comm, storage: Storage, described: Described | None
                "values": described.value_message()}
 
     def decide(msgs: list[Any]) -> list[Any]:
-        nonlocal existed
         assert coord is not None
-        if storage.exists(MANIFEST_NAME):
-            if not overwrite:
-                raise ShardpointError(
-                    f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it, or save to a new path"
-                )
-            existed = True
+        if options.owner is not None:
+            options.owner().check(options.what)
+        if not options.overwrite and storage.exists(MANIFEST_NAME):
+            raise exists_error(storage)
         return coord.plan_round(msgs)
 
     reply = coordinate(comm, msg, error, decide)
@@ -63,4 +61,4 @@ def request_assignment(comm: Comm, storage: Storage, described: Described | None
     else:  # pragma: no cover - the coordinator only omits what it sent
         raise ShardpointError(f"rank {comm.rank}: the coordinator reused a plan this rank does not hold; save again")
     PROCESS.assignments[comm.tag] = HeldAssignment(digest, reply["plan_id"], assignment)
-    return Planned(reply["save_id"], assignment, existed), coord
+    return Planned(reply["save_id"], assignment), coord

@@ -5,7 +5,7 @@ collective save runs, one rank at a time (only one rank's state is held at once)
 the assignment is decided here instead of by a round trip: a rank writes the
 non-empty boxes no earlier rank wrote, and reports the checksums of all of them,
 so replicas are compared once every rank was seen. Then the plan, the replica
-check and the manifest, written last, as in a collective save.
+check and the commit (:func:`.commit.commit_checkpoint`, the one every path uses).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..errors import UsageError
 from ..format.index import index_name
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
+from .commit import commit_checkpoint, exists_error
 from .coordinator import build_manifest, check_replicas, make_plan
 from .describe import data_file, describe
 from .records import Assignment, RankLayout, RankValues, WriteStatus
@@ -29,8 +30,8 @@ from .write import write
 
 def save_ranks(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, world_size: int, overwrite: bool = False) -> None:
     """See :func:`shardpoint.api.save_offline`."""
-    if storage.exists(MANIFEST_NAME) and not overwrite:
-        raise UsageError(f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it")
+    if not overwrite and storage.exists(MANIFEST_NAME):  # before any data is written
+        raise exists_error(storage)
     save_id = uuid.uuid4().hex[:12]
     layouts: list[RankLayout | None] = [None] * world_size
     values: list[RankValues] = [{"values": {}, "per_rank": {}}] * world_size
@@ -66,7 +67,7 @@ def save_ranks(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, worl
         plan.writer = np.concatenate(writers) if writers else plan.writer
         done = [s for s in statuses if s is not None]
         check_replicas(plan, done)
-        storage.write_atomic(MANIFEST_NAME, build_manifest(plan, values, done, save_id).to_bytes())
+        commit_checkpoint(storage, build_manifest(plan, values, done, save_id), replace=overwrite)
     except BaseException:
         for f in written:
             storage.remove(f)

@@ -12,8 +12,10 @@
    ``overlap``).
 5. write (:mod:`.write`): one data file per rank, checksummed as it streams,
    fsynced, its index beside it; unchanged chunks referenced (incremental).
-6. commit (:mod:`.commit`): rank 0 checks replicas and writes the manifest last;
-   then the caller's ``on_commit`` (rank 0, before any rank returns).
+6. commit (:mod:`.commit`): rank 0 checks replicas, checks the files, writes the
+   manifest last and (a manager's save) points ``latest`` at it, before any rank
+   returns; a stale attempt of the job is refused there and while planning
+   (:mod:`.fence`).
 7. after-commit: the caller's ``after_commit`` (rank 0, after every rank returned:
    retention).
 
@@ -61,7 +63,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
         error = e
     handle = None if blocking else SaveHandle(storage.url)
     try:
-        planned, coord = request_assignment(comm, storage, described, error, options.overwrite)
+        planned, coord = request_assignment(comm, storage, described, error, options)
     except Exception as e:
         if handle is None:
             raise

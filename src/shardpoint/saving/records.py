@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ShardpointError
+from .fence import Owner
 from .incremental import Session
 
 #: A JSON object as the collectives carry it.
@@ -152,7 +153,6 @@ class Planned:
 
     save_id: str
     assignment: Assignment
-    existed: bool  # a checkpoint was there before (rank 0 only: it removes the old files after the commit)
 
 
 class Staged(NamedTuple):
@@ -228,9 +228,13 @@ class SaveOptions:
 
     #: Replace a checkpoint already at the path (atomically); else refuse.
     overwrite: bool = False
-    #: Rank 0, right after the manifest is written, before any rank returns (the
-    #: manager points ``latest`` here); its failure fails the save, which stays committed.
-    on_commit: Callable[[], None] | None = None
+    #: Rank 0: the attempt's claim on the manager root the path lies in (claimed on
+    #: first use; :mod:`.fence`): checked while planning and at the commit.
+    owner: Callable[[], Owner] | None = None
+    #: The step folder ``latest`` (under the owner's root) points at once committed.
+    latest: str | None = None
+    #: How messages name this save ("the save of step 6").
+    what: str = "the save"
     #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
     after_commit: Callable[[], None] | None = None
     #: This rank's incremental session: chunks it finds unchanged are referenced, not written.

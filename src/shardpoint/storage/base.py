@@ -97,6 +97,24 @@ class Storage(ABC):
             b[:] = data[at : at + len(b)]
             at += len(b)
 
+    def create_new(self, name: str, data: bytes) -> bool:
+        """Make ``name`` hold ``data`` all at once, only if ``name`` does not exist yet;
+        False (nothing written) when it does. Durable on return, like :meth:`write_atomic`.
+
+        The two-attempt race is decided by the store where it can: a hard link locally
+        (``link`` fails on an existing name), ``If-None-Match: *`` on S3. Here, for
+        stores with neither, the weaker form: a look-up, then the write, then a read
+        back (two writers racing within that window may both see their own bytes)."""
+        if self.exists(name):
+            return False
+        self.write_atomic(name, data)
+        return bytes(self.read(name)) == bytes(data)
+
+    def sizes(self) -> dict[str, int]:
+        """Every file under this location (as :meth:`list` names them) with its size in
+        bytes: one listing where the store gives sizes with it (S3), else a look-up per file."""
+        return {name: self.size(name) for name in self.list()}
+
     @abstractmethod
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists."""
@@ -159,6 +177,14 @@ class Delegating(Storage):
 
     def keep_open(self) -> AbstractContextManager[None]:
         return self.inner.keep_open()
+
+    def create_new(self, name: str, data: bytes) -> bool:
+        if type(self).write_atomic is not Delegating.write_atomic:  # a wrapper that changes writes: through it
+            return super().create_new(name, data)
+        return self.inner.create_new(name, data)
+
+    def sizes(self) -> dict[str, int]:
+        return self.inner.sizes()
 
     def exists(self, name: str) -> bool:
         return self.inner.exists(name)

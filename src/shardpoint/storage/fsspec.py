@@ -231,6 +231,29 @@ class FsspecStorage(Storage):
             fs.makedirs(fs._parent(path), exist_ok=True)
         self._retried("writing", self._where(name), lambda: fs.pipe_file(path, bytes(data)))
 
+    def create_new(self, name: str, data: bytes) -> bool:
+        s3 = self._s3()
+        if s3 is None:  # another filesystem: the weaker form (a look-up, then the write)
+            return super().create_new(name, data)
+        self._fs()
+        return s3.put_new(*self._key(self._path(name)), self._where(name), bytes(data))
+
+    def sizes(self) -> dict[str, int]:
+        fs = self._fs()
+        try:
+            found = self._retried("listing", self.url, lambda: fs.find(self.root, detail=True))
+        except FileNotFoundError:
+            return {}
+        prefix = self.root.rstrip("/") + "/"
+        out: dict[str, int] = {}
+        for p, info in found.items():
+            p = fs._strip_protocol(p)
+            if p.startswith(prefix) and info.get("type", "file") != "directory":
+                rel = p[len(prefix) :]
+                if rel and not rel.endswith("/"):
+                    out[rel] = int(info.get("size") or 0)
+        return out
+
     def _bucketed(self) -> bool:
         protocol = self.fs.protocol
         protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)

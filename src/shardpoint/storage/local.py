@@ -4,6 +4,7 @@ rename for the manifest and a directory fsync after it."""
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import shutil
 import stat
@@ -160,11 +161,9 @@ class LocalStorage(Storage):
         _fsync_dir(os.path.dirname(path))
         return total
 
-    def write_atomic(self, name: str, data: bytes) -> None:
-        path = self._path(name)
-        directory = os.path.dirname(path)
-        self._ensure_dir(directory)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+    def _durable_tmp(self, path: str, data: bytes) -> str:
+        """A temporary file beside ``path`` holding ``data``, fsynced."""
+        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -176,12 +175,57 @@ class LocalStorage(Storage):
             _unlink_quietly(tmp)
             raise _named(e, path) from None
         os.close(fd)
+        return tmp
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        directory = os.path.dirname(path)
+        self._ensure_dir(directory)
+        tmp = self._durable_tmp(path, data)
         try:
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
             raise
         _fsync_dir(directory)
+
+    def create_new(self, name: str, data: bytes) -> bool:
+        """As :meth:`write_atomic`, but the temporary file is hard-linked to ``name``
+        instead of renamed over it: ``link`` fails on an existing name, so of two
+        writers exactly one creates it. Where the filesystem has no hard links, the
+        store's weaker form (a look-up, then the rename)."""
+        path = self._path(name)
+        directory = os.path.dirname(path)
+        self._ensure_dir(directory)
+        tmp = self._durable_tmp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise _named(e, path) from None
+            if os.path.exists(path):  # no hard links here (some FUSE filesystems)
+                return False
+            os.replace(tmp, path)
+            _fsync_dir(directory)
+            return True
+        finally:
+            _unlink_quietly(tmp)
+        _fsync_dir(directory)
+        return True
+
+    def sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for dirpath, _dirs, files in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in files:
+                try:
+                    size = os.stat(os.path.join(dirpath, f)).st_size
+                except FileNotFoundError:  # removed since the listing
+                    continue
+                out[f if rel == "." else f"{rel}/{f}"] = size
+        return out
 
     def read(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
         path = self._path(name)

@@ -98,6 +98,34 @@ class S3Objects:
             ):
                 raise
 
+    def put_new(self, bucket: str, key: str, url: str, data: bytes) -> bool:
+        """One ``PutObject`` with ``If-None-Match: *``: True when it created the object,
+        False when the object already existed (412 ``PreconditionFailed``), decided by
+        the store. A retry whose earlier attempt did create it (its answer lost) meets
+        its own object: the bytes are compared, so that counts as created. A store
+        that ignores the header replaces the object: the weaker form (the last writer
+        wins), which callers that must know (a claim) check by reading back."""
+        body = data
+
+        async def once(attempt: int) -> bool:
+            try:
+                await self._call("put_object", Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+                return True
+            except Exception as e:  # noqa: BLE001
+                if error_code(e) not in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                    raise
+                if attempt == 1:
+                    return False
+            resp = await self._call("get_object", Bucket=bucket, Key=key)
+            if int(resp["ContentLength"]) != len(data):
+                resp["Body"].close()
+                return False
+            there = bytearray(len(data))
+            await _read_body(resp["Body"], memoryview(there), [0], url)
+            return bytes(there) == bytes(data)
+
+        return self._run(retry_async(self.retry, "creating", url, once))
+
     def write(self, bucket: str, key: str, url: str, parts: Iterable[bytes | memoryview]) -> int:
         """Stream ``parts`` to one object: a ``PutObject`` when it all fits in one
         block, else a multipart upload with up to ``concurrency`` parts in flight.

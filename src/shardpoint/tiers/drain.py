@@ -10,7 +10,6 @@ for a checkpoint, and the snapshot it came from is still in memory)."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -24,13 +23,13 @@ from typing import IO, Any
 
 from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME
-from ..load.locate import read_manifest
+from ..load.locate import committed, read_manifest
+from ..saving.commit import commit_checkpoint
+from ..saving.fence import Owner
 from ..storage import Storage, storage_for
 from ..storage.local import LocalStorage
-from .hosts import needed
 
 BLOCK = 8 << 20
-LATEST = "latest"
 
 
 class DrainAborted(ShardpointError):
@@ -40,7 +39,8 @@ class DrainAborted(ShardpointError):
 @dataclass(frozen=True, slots=True)
 class DrainJob:
     """One step to make durable: its snapshot folder, the durable root and folder, and
-    the bytes ``latest`` gets once it is committed.
+    the generation of the attempt that owns the root (:mod:`shardpoint.saving.fence`;
+    None: unfenced), whose ``latest`` is pointed at the folder once it is committed.
 
     ``files``: None copies every file the snapshot's manifest names from the snapshot
     folder; else only these file specs ``[relpath, name, size, sha256 or None]`` (this
@@ -52,7 +52,7 @@ class DrainJob:
     src: str
     root: str
     folder: str
-    pointer: bytes
+    generation: int | None = None
     storage_options: dict[str, Any] | None = None
     files: list[list[Any]] | None = None
     commit: bool = True
@@ -60,15 +60,11 @@ class DrainJob:
 
     def wire(self) -> str:
         """One JSON line for the helper process."""
-        d = asdict(self)
-        d["pointer"] = base64.b64encode(self.pointer).decode()
-        return json.dumps(d)
+        return json.dumps(asdict(self))
 
     @staticmethod
     def from_wire(line: str) -> DrainJob:
-        d = json.loads(line)
-        d["pointer"] = base64.b64decode(d["pointer"])
-        return DrainJob(**d)
+        return DrainJob(**json.loads(line))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,60 +101,48 @@ def _copy(src: Storage, dst: Storage, name: str, size: int, alive: Callable[[], 
 def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> None:
     """Copy the snapshot at ``job.src`` to ``job.root/job.folder``: data files and
     their indexes (each fsynced, each index checked against the manifest's SHA-256),
-    then the manifest, then ``latest``. A checkpoint already in that folder is replaced
-    as a direct save with ``overwrite`` replaces it (its files go after the commit).
-    With ``job.files``, only those files are copied (each host its part), and with
-    ``job.commit`` the manifest is written only once every file it names is there."""
+    then the commit every path makes (:func:`~shardpoint.saving.commit.commit_checkpoint`:
+    the files checked, the manifest, ``latest``). A checkpoint already in that folder
+    is replaced as a direct save with ``overwrite`` replaces it (its files go after the
+    commit); the same one (a drain run again) only gets ``latest``. With ``job.files``,
+    only those files are copied (each host its part), and with ``job.commit`` the
+    manifest is written only once every file it names is there. An attempt that no
+    longer owns the root copies nothing (:class:`~shardpoint.errors.FencedError`)."""
     src = LocalStorage(job.src)
     root = storage_for(job.root, job.storage_options)
     dst = root.child(job.folder)
+    owner = Owner(root, job.generation) if job.generation is not None else None
+    what = f"the drain of step {job.step}"
     if job.files is not None and not job.commit:  # one host's part: no manifest needed here
         try:
             if job.save_id is not None and read_manifest(dst).save_id == job.save_id:
                 return  # committed before (a restart re-drains): its files stay as they are
         except ShardpointError:
             pass
+        if owner is not None:
+            owner.check(what)
         for rel, name, size, sha in job.files:
             _copy(src, dst, str(name), int(size), alive, sha, str(rel))
         return
     man_bytes = bytes(src.read(MANIFEST_NAME))
     man = read_manifest(src)  # the seal is checked: a torn snapshot is never drained
-    old: list[str] = []
-    if dst.exists(MANIFEST_NAME):
-        try:
-            prev = read_manifest(dst)
-            if prev.save_id == man.save_id:  # drained before (a restart re-drains): only the pointer
-                root.write_atomic(LATEST, job.pointer)
-                return
-            old = prev.stored_files()
-        except ShardpointError:
-            old = []
+    if committed(dst, man.save_id):  # drained before (a restart re-drains): only the pointer
+        commit_checkpoint(dst, man, replace=True, owner=owner, latest=job.folder, data=man_bytes, what=what)
+        return
+    if owner is not None:
+        owner.check(what)
     if job.files is None:
         for name, entry in man.files.items():
             _copy(src, dst, name, int(entry["size"]), alive)
             idx: Any = entry.get("index")
             if isinstance(idx, dict):
                 _copy(src, dst, str(idx["name"]), int(idx["size"]), alive, str(idx["sha256"]))
-    else:
+    else:  # the other hosts' parts are checked by the commit: never a partial checkpoint
         for rel, name, size, sha in job.files:
             _copy(src, dst, str(name), int(size), alive, sha, str(rel))
-        for name, size in needed(man.files).items():  # the other hosts' parts: never commit a partial checkpoint
-            try:
-                got = dst.size(name)
-            except (OSError, ShardpointError):
-                got = -1
-            if got != size:
-                raise CorruptCheckpointError(
-                    f"drain of step {job.step}: {dst.url}/{name} is missing or has {got} bytes, {size} expected (the "
-                    "host that drains it failed); the durable checkpoint was not committed")
     if not alive():
         raise DrainAborted(f"drain of step {job.step} stopped before its commit: the training process is gone")
-    dst.write_atomic(MANIFEST_NAME, man_bytes)
-    new = set(man.stored_files())
-    for stale in old:
-        if stale not in new:
-            dst.remove(stale)
-    root.write_atomic(LATEST, job.pointer)
+    commit_checkpoint(dst, man, replace=True, owner=owner, latest=job.folder, data=man_bytes, what=what)
 
 
 class Drainer:

@@ -39,6 +39,7 @@ from ..collective import Comm, agree
 from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..load.locate import read_manifest
+from ..saving.fence import Owner
 from ..saving.handle import SaveHandle, settle_in_flight
 from ..saving.pipeline import save_state
 from ..saving.records import SaveOptions
@@ -101,12 +102,13 @@ class Tiers:
     """The memory tier of one manager (see the module docstring)."""
 
     def __init__(self, tier: MemoryTier, *, root: str, storage_options: dict[str, Any] | None, process_group: Any,
-                 timeout: timedelta | float, folder: Callable[[int], str], pointer: Callable[[int], bytes],
+                 timeout: timedelta | float, folder: Callable[[int], str], owner: Callable[[], Owner],
                  on_drained: Callable[[int], None]) -> None:
         self.tier = tier
         self.root, self.storage_options = root, storage_options
         self.process_group, self.timeout = process_group, timeout
-        self.folder, self.pointer, self.on_drained = folder, pointer, on_drained
+        #: Rank 0: this attempt's claim on the root (claimed on first use): snapshots and drains are fenced by it.
+        self.folder, self.owner, self.on_drained = folder, owner, on_drained
         self.area = JobArea(tier.path, job_identity(tier, root))
         self.drainer = Drainer(tier.drain)
         #: Steps whose snapshot was skipped because shared memory was full (this process).
@@ -201,7 +203,7 @@ class Tiers:
             if step not in draining:
                 self.area.remove(step)  # a leftover of an abandoned run of this step
         storage = self.area.storage(step)
-        options = SaveOptions(overwrite=True, metrics=metrics)
+        options = SaveOptions(overwrite=True, metrics=metrics, owner=self.owner, what=f"the memory snapshot of step {step}")
         try:
             # A step due only for memory returns once its state is copied (staged); the
             # write to shared memory and the commit go on in the background, and the
@@ -331,7 +333,8 @@ class Tiers:
 
     def _job(self, step: int, files: list[list[Any]] | None, *, commit: bool, save_id: str | None = None) -> DrainJob:
         return DrainJob(step=step, src=self.area.path(step), root=self.root, folder=self.folder(step),
-                        pointer=self.pointer(step), storage_options=self.storage_options, files=files,
+                        generation=self.owner().generation if commit else None,
+                        storage_options=self.storage_options, files=files,
                         commit=commit, save_id=save_id)
 
     def _settle(self, comm: Comm, *, wait: bool) -> None:
