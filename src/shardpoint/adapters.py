@@ -100,6 +100,16 @@ class Adapter:
     def finish_load(self) -> None:
         """After every rank loaded: collective follow-up, called on every rank."""
 
+    def buffers(self) -> frozenset[str]:
+        """The names under ``model/`` that are buffers (running statistics, attention
+        masks), not parameters: a checkpoint records an infinity in them without being
+        unfit to resume from (:mod:`shardpoint.health`). Here: the named buffers of the
+        owner, or of its ``module`` (an engine's)."""
+        module = self.owner if isinstance(self.owner, torch.nn.Module) else getattr(self.owner, "module", None)
+        if not isinstance(module, torch.nn.Module):
+            return frozenset()
+        return frozenset(canonical_name(n) for n, _ in module.named_buffers())
+
 
 class PlainAdapter(Adapter):
     """A PyTorch ``nn.Module`` (plain, DDP, ``torch.compile``d, FSDP2) and a torch

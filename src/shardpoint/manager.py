@@ -18,6 +18,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointE
 from .format.manifest import MANIFEST_NAME
 from .format.pointer import LATEST, STEP_FOLDER, Pointer
 from .format.refs import split_ref
+from .health import DEFAULT_RULE, HealthRule
 from .load.locate import read_manifest
 from .report import LoadReport
 from .saving.fence import Owner, claim
@@ -59,22 +60,37 @@ class CheckpointInfo:
     checkpoint was saved before shardpoint recorded health."""
     metrics: Mapping[str, float] = field(default_factory=dict)
     """The numbers given to :meth:`CheckpointManager.save` for this step."""
+    unfit: tuple[str, ...] = ()
+    """The keys of ``nonfinite`` that make it unfit to resume from under the manager's
+    :class:`~shardpoint.health.HealthRule` (by default a NaN in the model or optimizer
+    state, an infinity in a parameter or optimizer state; an infinity in a buffer or
+    an extra, such as ``best_val_loss = inf``, is only recorded)."""
+    nan: tuple[str, ...] | None = None
+    """Of ``nonfinite``, the keys that held a NaN (None: not recorded)."""
+    roles: Mapping[str, str] = field(default_factory=dict)
+    """Each key of ``nonfinite``'s role (``param``, ``buffer``, ``optimizer``, ``extra``, ``state``)."""
 
     @property
     def healthy(self) -> bool:
-        """Sound, and no saved tensor holds a NaN or an infinity (as far as recorded)."""
-        return self.damaged is None and not self.nonfinite
+        """Sound, and nothing it holds makes it unfit to resume from (``unfit`` is empty)."""
+        return self.damaged is None and not self.unfit
 
 
 def _unhealthy(info: CheckpointInfo, accept: Callable[[CheckpointInfo], bool] | None) -> str:
-    """Why ``info`` is not fit to resume from ("" when it is)."""
-    if info.nonfinite:
-        keys = ", ".join(repr(k) for k in info.nonfinite[:5])
-        more = f" and {len(info.nonfinite) - 5} more" if len(info.nonfinite) > 5 else ""
-        return f"non-finite values (NaN or infinity) in {keys}{more}"
-    if accept is not None and not accept(info):
-        return f"metrics {dict(info.metrics)} that accept= rejected"
-    return ""
+    """Why ``info`` is not fit to resume from ("" when it is): ``accept``'s verdict
+    when given (it sees ``info.unfit``, the health rule's), else the health rule's."""
+    if accept is not None:
+        if accept(info):
+            return ""
+        why = f"metrics {dict(info.metrics)} that accept= rejected"
+        return why + (f" (it also holds {_nonfinite(info.unfit)})" if info.unfit else "")
+    return _nonfinite(info.unfit) if info.unfit else ""
+
+
+def _nonfinite(keys: tuple[str, ...]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:5])
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"non-finite values (NaN or infinity) in {shown}{more}"
 
 
 def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] | None:
@@ -130,6 +146,17 @@ class CheckpointManager:
             makes a self-contained copy. Off by default, so that copying or deleting
             one step folder by hand keeps working.
         process_group, timeout, storage_options: as for :func:`shardpoint.save`.
+        memory: a :class:`~shardpoint.tiers.MemoryTier`: snapshots in shared memory,
+            drained to ``root`` (docs/tiers.md).
+        health: which NaNs and infinities make a step unfit to resume from
+            (:class:`~shardpoint.health.HealthRule`; by default a NaN in the model or
+            optimizer state and an infinity in a parameter or optimizer state).
+
+    One writer: the attempt of the job that restores from ``root`` (or first saves
+    into it) owns it; an older attempt that wakes up later (frozen, presumed dead,
+    replaced by a restart) gets :class:`~shardpoint.errors.FencedError` from its next
+    save and can neither commit, move ``latest`` nor delete anything. Use one manager
+    per root per job (a second manager's restore supersedes the first).
 
     Retention with references: a step the policy drops is uncommitted (its manifest
     removed first) and its files deleted, except the data files that a kept
@@ -148,11 +175,16 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         memory: MemoryTier | None = None,
+        health: HealthRule = DEFAULT_RULE,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
         if keep_every is not None and keep_every < 1:
             raise UsageError(f"keep_every must be a positive step interval (got {keep_every})")
+        if not isinstance(health, HealthRule):
+            raise UsageError(f"health={health!r}: give a shardpoint.HealthRule")
+        #: Which non-finite values make a step unfit to resume from.
+        self.health = health
         self.storage: Storage = storage_for(root, storage_options)
         self.root = self.storage.url
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -194,6 +226,8 @@ class CheckpointManager:
             step=int(m.group(1)), path=sub.url, time=datetime.fromtimestamp(man.created, tz=timezone.utc),
             size=man.own_bytes(), world_size=man.world_size, referenced=man.referenced_bytes(),
             nonfinite=None if man.nonfinite is None else tuple(man.nonfinite), metrics=dict(man.metrics),
+            unfit=self.health.unfit(man.nonfinite, man.nan, man.roles),
+            nan=None if man.nan is None else tuple(man.nan), roles=dict(man.roles),
         )
 
     def list(self) -> list[CheckpointInfo]:
@@ -640,12 +674,14 @@ class CheckpointManager:
         if entry is None:
             man = read_manifest(self._tiers.area.storage(step))
             entry = {"created": man.created, "world_size": man.world_size, "nonfinite": man.nonfinite,
-                     "metrics": man.metrics, "need": {}}
+                     "nan": man.nan, "roles": man.roles, "metrics": man.metrics, "need": {}}
+        nonfinite, nan, roles = tuple(entry.get("nonfinite") or ()), entry.get("nan"), dict(entry.get("roles") or {})
         return CheckpointInfo(
             step=step, path=self._tiers.area.storage(step).url,
             time=datetime.fromtimestamp(float(entry.get("created") or 0.0), tz=timezone.utc),
             size=sum(int(v) for v in (entry.get("need") or {}).values()), world_size=int(entry.get("world_size") or 0),
-            nonfinite=tuple(entry.get("nonfinite") or ()), metrics=dict(entry.get("metrics") or {}))
+            nonfinite=nonfinite, metrics=dict(entry.get("metrics") or {}), unfit=self.health.unfit(nonfinite, nan, roles),
+            nan=None if nan is None else tuple(nan), roles=roles)
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "

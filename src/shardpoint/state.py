@@ -23,7 +23,7 @@ from ._optim import Entries, apply_param_groups, canonical_name
 from ._rng import RngStreams, derived_seed
 from .adapters import Adapter, KeyMap, adapter_for
 from .report import LoadReport
-from .tree import PerRank, Stateful, is_stateful
+from .tree import PerRank, Stateful, decode_key, is_stateful
 
 __all__ = ["TrainState", "canonical_name", "apply_param_groups"]
 
@@ -138,6 +138,18 @@ class TrainState:
             for k, v in sd["extra"].items():
                 if not is_stateful(self.extra.get(k)):
                     self.extra[k] = v
+
+    def _shardpoint_health_role(self, key: str) -> str:
+        """The role of ``key`` (relative to this object) for health
+        (:mod:`shardpoint.health`): ``param`` or ``buffer`` under ``model/``,
+        ``optimizer`` under ``optimizer/``, ``extra`` elsewhere."""
+        path = decode_key(key)
+        if path[:1] == ("optimizer",):
+            return "optimizer"
+        if path[:1] != ("model",):
+            return "extra"
+        ad = self.adapter()
+        return "buffer" if ad is not None and len(path) == 2 and path[1] in ad.buffers() else "param"
 
     # -- load hooks (shardpoint.adapters.LoadHooks), keys relative to this object -----
     def _shardpoint_prepare_load(self, entries: Entries, select: Callable[[str], bool]) -> None:

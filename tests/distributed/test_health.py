@@ -105,3 +105,81 @@ def test_a_metric_predicate_passes_over_a_loss_spike(tmp_path: Path) -> None:
         assert len(r["warnings"]) == 1 and "step 8 " in r["warnings"][0]
         assert r["explicit"] == 8 and r["explicit_finite"] and not r["explicit_warned"], r
     assert _ls(root)[8]["metrics"] == {"loss": 1e6}
+
+
+class _Masked(torch.nn.Module):
+    """A layer with a causal attention mask buffer that holds -inf, as many do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((4, 4), -math.inf).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.mask.clamp(min=-1e4).sum(0)
+
+
+def _sentinels(rank: int, world: int, root: str, poison: str | None) -> dict[str, Any]:
+    """Steps 1..3 of a model whose mask buffer holds -inf, with a best-loss sentinel of
+    +inf among the extras; step 4 poisoned as ``poison`` says (a NaN or an infinity in
+    a weight); then restores as a fresh attempt would, by default, with ``accept``
+    overriding the verdict, and with a rule that also refuses an infinity in a buffer."""
+    from shardpoint.health import HealthRule
+
+    torch.manual_seed(0)
+    m = _Masked()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    mgr = shardpoint.CheckpointManager(root)
+    state = shardpoint.TrainState(model=m, optimizer=opt, best_val_loss=torch.tensor(math.inf))
+    for step in range(1, 5):
+        m(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 4 and poison is not None:
+            with torch.no_grad():
+                m.fc.weight[0, 0] = math.nan if poison == "nan" else math.inf
+        mgr.save(state, step)
+
+    def restore(**kw: Any) -> dict[str, Any]:
+        m2 = _Masked()
+        st = shardpoint.TrainState(model=m2, optimizer=torch.optim.AdamW(m2.parameters(), lr=0.1),
+                                   best_val_loss=torch.tensor(0.0))
+        rule = kw.pop("health", None)
+        mgr2 = shardpoint.CheckpointManager(root, **({"health": rule} if rule else {}))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            try:
+                r = mgr2.restore(st, **kw)
+            except shardpoint.ShardpointError as e:
+                return {"error": str(e)}
+        return {"step": r.step if r else None, "passed": sorted(r.passed_over) if r else None,
+                "best": float(st.extra["best_val_loss"]), "mask_inf": bool(torch.isinf(m2.mask).any())}
+
+    infos = {i.step: i for i in mgr.list()}
+    return {
+        "default": restore(),
+        "accept_all": restore(accept=lambda info: True),
+        "strict_buffers": restore(health=HealthRule(inf=frozenset({"param", "buffer", "optimizer", "state"}))),
+        "info": {s: {"nonfinite": list(i.nonfinite or ()), "nan": list(i.nan or ()), "roles": dict(i.roles),
+                     "unfit": list(i.unfit), "healthy": i.healthy} for s, i in infos.items()},
+    }
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_an_inf_sentinel_and_a_minus_inf_mask_do_not_block_a_restore(tmp_path: Path, poison: str) -> None:
+    results = run_ranks(_sentinels, 2, str(tmp_path / "ckpt"), poison, timeout=300)
+    for r in results:
+        info = r["info"]
+        # steps 1-3: recorded, with what each key is, and fit
+        assert info[3]["nonfinite"] == ["extra/best_val_loss", "model/mask"], info[3]
+        assert info[3]["nan"] == [] and info[3]["unfit"] == [] and info[3]["healthy"], info[3]
+        assert info[3]["roles"] == {"extra/best_val_loss": "extra", "model/mask": "buffer"}, info[3]
+        # step 4: a NaN or an infinity in a weight is poison either way
+        assert info[4]["unfit"] == ["model/fc.weight"] and info[4]["roles"]["model/fc.weight"] == "param", info[4]
+        assert info[4]["nan"] == (["model/fc.weight"] if poison == "nan" else []), info[4]
+        d = r["default"]
+        assert d["step"] == 3 and d["passed"] == [4], d
+        assert d["best"] == math.inf and d["mask_inf"], d  # the sentinel and the mask come back as they were
+        assert r["accept_all"]["step"] == 4, r["accept_all"]  # accept= overrides the verdict
+        # a rule that also refuses an infinity in a buffer: no step is fit
+        assert "no checkpoint under" in r["strict_buffers"]["error"] and "'model/mask'" in r["strict_buffers"]["error"]

@@ -316,6 +316,9 @@ V2_CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "index-is-data": lambda m: m["files"][_first_file(m)]["index"].update(name=_first_file(m)),
     "two-files-one-rank": lambda m: [f.update(rank=0) for f in m["files"].values()],
     "file-rank-missing": lambda m: m["files"][_first_file(m)].pop("rank"),
+    "health-nan-not-a-list": lambda m: m.update(health={"nonfinite": ["model/w"], "nan": "model/w", "metrics": {}}),
+    "health-roles-not-names": lambda m: m.update(health={"nonfinite": ["model/w"], "nan": [], "roles": {"model/w": 1},
+                                                        "metrics": {}}),
 }
 
 

@@ -147,6 +147,12 @@ class Manifest:
     #: The keys whose saved tensors hold a NaN or an infinity (found while their bytes
     #: were checksummed). None when the saver did not record health (older checkpoints).
     nonfinite: list[str] | None = None
+    #: Of ``nonfinite``, the keys that held a NaN (the others an infinity); None when
+    #: not recorded (saved before roles were): every one counts as a NaN.
+    nan: list[str] | None = None
+    #: Each key of ``nonfinite``'s role (``shardpoint.health``: param, buffer, optimizer,
+    #: extra, state); a key not in it is ``state``.
+    roles: dict[str, str] = field(default_factory=dict)
     #: The caller's numbers for this step (``CheckpointManager.save(..., metrics=)``).
     metrics: dict[str, float] = field(default_factory=dict)
     _by_rank: dict[int, str] | None = field(default=None, repr=False, compare=False)
@@ -203,8 +209,12 @@ class Manifest:
         if self.refs:
             doc["refs"] = self.refs
         if self.nonfinite is not None:
-            doc["health"] = {"nonfinite": self.nonfinite,
-                             "metrics": {k: _number_out(v) for k, v in sorted(self.metrics.items())}}
+            health: dict[str, object] = {"nonfinite": self.nonfinite}
+            if self.nonfinite:  # what each finding is (a healthy checkpoint's record stays as it was)
+                health["nan"] = sorted(self.nan or [])
+                health["roles"] = {k: self.roles.get(k, "state") for k in self.nonfinite}
+            health["metrics"] = {k: _number_out(v) for k, v in sorted(self.metrics.items())}
+            doc["health"] = health
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
@@ -284,12 +294,12 @@ class Manifest:
             split_ref(name, where=where)
             if not isinstance(info, dict) or not is_count(info.get("size")) or not is_count(info.get("bytes", 0)):
                 raise bad(f"refs[{name!r}] has no valid 'size' (and optional 'bytes')")
-        nonfinite, metrics = _parse_health(doc.get("health"), bad)
+        nonfinite, nan, roles, metrics = _parse_health(doc.get("health"), bad)
         tree = _parse_tree(doc, files, block, bad, ws, depth=0, version=version)
         return cls(
             world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
             files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
-            sealed=sealed, refs=refs, nonfinite=nonfinite, metrics=metrics,
+            sealed=sealed, refs=refs, nonfinite=nonfinite, nan=nan, roles=roles, metrics=metrics,
         )
 
 
@@ -302,14 +312,18 @@ def _number_out(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
 
 
-def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, dict[str, float]]:
+def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, list[str] | None, dict[str, str], dict[str, float]]:
     if h is None:
-        return None, {}
+        return None, None, {}, {}
     if not isinstance(h, dict):
         raise bad("'health' is not an object")
-    keys, metrics = h.get("nonfinite", []), h.get("metrics", {})
+    keys, nan, roles, metrics = h.get("nonfinite", []), h.get("nan"), h.get("roles", {}), h.get("metrics", {})
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise bad("'health.nonfinite' must be a list of keys")
+    if nan is not None and (not isinstance(nan, list) or not all(isinstance(k, str) for k in nan)):
+        raise bad("'health.nan' must be a list of keys")
+    if not isinstance(roles, dict) or not all(isinstance(v, str) for v in roles.values()):
+        raise bad("'health.roles' must map keys to role names")
     if not isinstance(metrics, dict):
         raise bad("'health.metrics' is not an object")
     out: dict[str, float] = {}
@@ -320,7 +334,7 @@ def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, dict[str, flo
             out[k] = float(v)
         else:
             raise bad(f"'health.metrics[{k!r}]' is not a number")
-    return keys, out
+    return keys, nan, roles, out
 
 
 def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int, depth: int, under: str | None = None,

@@ -51,7 +51,8 @@ def describe(state: Any) -> Described:
                 rows.sizes.append(list(b.sizes))
                 views.append(v)
         per_rank = {} if pkey else described
-        described[pkey] = Described(sub.containers, values, tensors, rows, views, dict(per_rank))
+        owners = () if pkey else tuple((k, o) for k, o in w.stateful if hasattr(o, "_shardpoint_health_role"))
+        described[pkey] = Described(sub.containers, values, tensors, rows, views, dict(per_rank), owners)
     return described[""]
 
 

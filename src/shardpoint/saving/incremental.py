@@ -86,7 +86,7 @@ class Record:
     crc32: list[int]
     digest: bytes | None
     proof: tuple[Any, ...] | None
-    nonfinite: bool = False  # its bytes hold a NaN or an infinity (a reference to it carries that on)
+    health: int = 0  # health.FINITE, INF or NAN: what its bytes hold (a reference to it carries that on)
 
 
 @dataclass(slots=True)
@@ -121,23 +121,24 @@ class Session:
         assert rec is not None
         ref = "../" + rec.file
         self.records[name] = Record(rec.file, rec.file_size, rec.offset, rec.length, rec.crc32,
-                                    digest or rec.digest, proof, rec.nonfinite)
+                                    digest or rec.digest, proof, rec.health)
         r = self.refs.setdefault(ref, {"size": rec.file_size, "bytes": 0})
         r["bytes"] += rec.length
         return Located(rec.offset, rec.length, rec.crc32, ref)
 
-    def wrote(self, fname: str, file_size: int, chunks: list[tuple[str, WrittenChunk]], nonfinite: set[str]) -> None:
+    def wrote(self, fname: str, file_size: int, chunks: list[tuple[str, WrittenChunk]], bad: dict[str, int]) -> None:
         """Record the chunks this save wrote to its own data file ``fname`` (those in
-        ``nonfinite`` hold a NaN or an infinity)."""
+        ``bad`` hold an infinity or a NaN: :data:`shardpoint.health.INF`, ``NAN``)."""
         for name, w in chunks:
             proof, digest = self._pending.pop(name, (None, None))
             self.records[name] = Record(f"{self.target}/{fname}", file_size, w.offset, w.length, w.crc32, digest, proof,
-                                        name in nonfinite)
+                                        bad.get(name, 0))
 
-    def nonfinite(self, name: str) -> bool:
-        """Whether chunk ``name``, referenced by this save, holds a NaN or an infinity."""
+    def health(self, name: str) -> int:
+        """What chunk ``name``, referenced by this save, holds: :data:`shardpoint.health.FINITE`,
+        ``INF`` or ``NAN``."""
         rec = self.records.get(name)
-        return rec is not None and rec.nonfinite
+        return rec.health if rec is not None else 0
 
 
 class Tracker:

@@ -27,12 +27,14 @@ too. Nothing else differs.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._gc import gc_paused
 from ..collective import Comm
+from ..health import roles_of
 from ..runtime import PROCESS
 from ..storage import Storage
 from .commit import commit
@@ -72,8 +74,9 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
         return handle
     assert described is not None
     stage = Stage(described, planned.assignment)
+    owners = described.health_owners
     if handle is None:
-        _finish(comm, storage, planned, coord, stage.in_place, options)
+        _finish(comm, storage, planned, coord, stage.in_place, options, owners)
         return None
     if overlap:
         stage.guard()
@@ -91,7 +94,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
 
     def background() -> None:
         try:
-            _finish(comm, storage, planned, coord, staging, options, handle)
+            _finish(comm, storage, planned, coord, staging, options, owners, handle)
         except BaseException as e:  # noqa: BLE001 - surfaced on wait()
             handle._error = e
         finally:
@@ -104,7 +107,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
 
 
 def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, staging: Callable[[], Staged],
-            options: SaveOptions, handle: SaveHandle | None = None) -> None:
+            options: SaveOptions, owners: tuple[tuple[str, object], ...], handle: SaveHandle | None = None) -> None:
     """Stage (if not yet), write, commit, after-commit: every rank, every mode."""
     staged, error = _attempt(staging)
     if handle is not None:
@@ -114,7 +117,7 @@ def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator |
     status: WriteStatus | None = None
     if error is None:
         assert staged is not None
-        status, error = _attempt(_write, storage, fname, staged, options.incremental)
+        status, error = _attempt(_write, storage, fname, staged, options.incremental, owners)
     commit(comm, storage, planned, coord, fname, status, error, options)
     if coord is not None and options.after_commit is not None:
         try:
@@ -123,8 +126,11 @@ def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator |
             warnings.warn(f"shardpoint: cleaning up old checkpoints after the save failed: {e}", stacklevel=2)
 
 
-def _write(storage: Storage, fname: str, staged: Staged, incremental: Session | None) -> WriteStatus:
+def _write(storage: Storage, fname: str, staged: Staged, incremental: Session | None,
+           owners: tuple[tuple[str, object], ...]) -> WriteStatus:
     status = write(storage, fname, staged, incremental)
+    if status.nonfinite:  # what each key that holds a NaN or an infinity is (the manifest's health record)
+        status = dataclasses.replace(status, roles=roles_of(owners, status.nonfinite))
     PROCESS.seams.fire_phase("written")
     return status
 

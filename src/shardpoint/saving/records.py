@@ -84,6 +84,9 @@ class Described:
     rows: ChunkRows
     views: list[torch.Tensor]
     per_rank: dict[str, Described]
+    #: The state's objects that tell the role of a key under them for health
+    #: (``_shardpoint_health_role``: a TrainState's), with their keys (top level only).
+    health_owners: tuple[tuple[str, object], ...] = ()
 
     def layout(self) -> RankLayout:
         """The layout part of the description (what the coordinator plans from):
@@ -185,7 +188,8 @@ class WriteStatus:
     """What one rank wrote: its data file (None when it wrote nothing), the file's
     size and index, the checksum digests of its replica rows, the earlier data files
     it refers to (incremental saves: ref -> {"size", "bytes"}), and the keys of the
-    chunks it wrote or referred to that hold a NaN or an infinity."""
+    chunks it wrote or referred to that hold a NaN or an infinity, which of them a
+    NaN, and each one's role (:mod:`shardpoint.health`)."""
 
     file: str | None
     size: int = 0
@@ -194,11 +198,15 @@ class WriteStatus:
     replica_digests: tuple[int, ...] = ()
     refs: dict[str, dict[str, int]] | None = None
     nonfinite: tuple[str, ...] = ()
+    nan: tuple[str, ...] = ()  # those of ``nonfinite`` with a NaN (the others hold an infinity)
+    roles: dict[str, str] | None = None  # each of ``nonfinite``'s role (shardpoint.health)
 
     def wire(self) -> Wire:
         out: Wire = {"file": self.file, "replicas": [list(self.replica_rows), list(self.replica_digests)]}
         if self.nonfinite:
             out["nonfinite"] = list(self.nonfinite)
+            out["nan"] = list(self.nan)
+            out["roles"] = dict(self.roles or {})
         if self.file is not None:
             assert self.index is not None
             out["size"] = self.size
@@ -216,7 +224,9 @@ class WriteStatus:
                 file=m["file"], size=int(m.get("size", 0)),
                 index=IndexRecord(str(index["name"]), int(index["size"]), str(index["sha256"])) if index else None,
                 replica_rows=tuple(int(r) for r in rows), replica_digests=tuple(int(d) for d in digests),
-                refs=m.get("refs"), nonfinite=tuple(str(k) for k in m.get("nonfinite", ())))
+                refs=m.get("refs"), nonfinite=tuple(str(k) for k in m.get("nonfinite", ())),
+                nan=tuple(str(k) for k in m.get("nan", ())),
+                roles={str(k): str(v) for k, v in (m.get("roles") or {}).items()})
         except (KeyError, TypeError, ValueError):
             raise ShardpointError(f"malformed write status from rank {rank}; every rank must run the same "
                                   "shardpoint version") from None

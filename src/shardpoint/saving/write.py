@@ -17,6 +17,7 @@ from ..errors import ShardpointError
 from ..format import datafile
 from ..format.datafile import WrittenChunk, crc32, data_header
 from ..format.index import Located, digest, index_bytes, index_name
+from ..health import FINITE, INF, NAN
 from ..runtime import PROCESS
 from ..storage import Storage
 from .buffers import Source, pool, sources
@@ -45,12 +46,16 @@ def write(storage: Storage, fname: str, staged: Staged, incremental: Session | N
             if row is not None and check[row]:
                 replicas[row] = replica_digest(loc.crc32)
         rows, names, views = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
-    nonfinite = {chunk_key(name) for name, loc, _ in refs if incremental is not None and incremental.nonfinite(name)}
+    found: dict[str, int] = {}  # key -> what its chunks hold at worst (health.INF, NAN)
+    for name, _loc, _ref in refs:
+        if incremental is not None:
+            _note(found, name, incremental.health(name))
     if not names and not refs:
         return WriteStatus(None, replica_rows=tuple(replicas), replica_digests=tuple(replicas.values()),
-                           nonfinite=tuple(sorted(nonfinite)))
+                           nonfinite=tuple(sorted(found)), nan=_nans(found))
     written, bad = write_data_file(storage, fname, list(zip(names, sources(views, pool()))))
-    nonfinite.update(chunk_key(names[i]) for i in bad)
+    for i, kind in bad.items():
+        _note(found, names[i], kind)
     for row, w in zip(rows, written):
         if row is not None and check[row]:
             replicas[row] = replica_digest(w.crc32)
@@ -60,10 +65,21 @@ def write(storage: Storage, fname: str, staged: Staged, incremental: Session | N
     storage.write_file(iname, [idx])
     size = storage.size(fname)
     if incremental is not None:
-        incremental.wrote(fname, size, chunks, {names[i] for i in bad})
+        incremental.wrote(fname, size, chunks, {names[i]: kind for i, kind in bad.items()})
     return WriteStatus(fname, size, IndexRecord(iname, len(idx), digest(idx)), tuple(replicas),
                        tuple(replicas.values()), (incremental.refs or None) if incremental is not None else None,
-                       tuple(sorted(nonfinite)))
+                       nonfinite=tuple(sorted(found)), nan=_nans(found))
+
+
+def _note(found: dict[str, int], name: str, kind: int) -> None:
+    if kind:
+        key = chunk_key(name)
+        found[key] = max(found.get(key, FINITE), kind)
+
+
+def _nans(found: dict[str, int]) -> tuple[str, ...]:
+    """The keys of ``found`` with a NaN."""
+    return tuple(sorted(k for k, v in found.items() if v == NAN))
 
 
 def chunk_key(name: str) -> str:
@@ -73,19 +89,19 @@ def chunk_key(name: str) -> str:
 
 
 def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, Source]]
-                    ) -> tuple[list[WrittenChunk], list[int]]:
+                    ) -> tuple[list[WrittenChunk], dict[int, int]]:
     """Write ``chunks`` (name, source) as one safetensors file, durable on return;
-    return where each landed, and which of them (by position) hold a NaN or an
-    infinity.
+    return where each landed, and which of them (by position) hold an infinity or a
+    NaN (:data:`~shardpoint.health.INF`, :data:`~shardpoint.health.NAN`).
 
     The header is made first from shapes alone, then each chunk's bytes stream from
     its source's pieces (its own memory, or the pool's slots) with no other copy,
     checksummed block by block as they go; a floating-point chunk's pieces are
     checked for non-finite values in the same pass, while they are in cache, until
-    the first one is found."""
+    the first NaN is found."""
     lengths = [src.numel() * src.element_size() for _, src in chunks]
     health = PROCESS.seams.health_check
-    bad: list[int] = []
+    bad: dict[int, int] = {}
     header = data_header([(n, src.dtype, tuple(src.shape), length) for (n, src), length in zip(chunks, lengths)])
     crcs: list[list[int]] = []
     block = datafile.CRC_BLOCK  # read at the call: tests shrink it
@@ -101,9 +117,12 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, Sou
                 while i < len(view):  # pieces cut at CRC block boundaries
                     piece = view[i : i + block - filled]
                     crc = crc32(piece, crc)
-                    if dtype is not None and not _finite(piece, dtype):
-                        bad.append(j)
-                        dtype = None  # one is enough
+                    if dtype is not None:
+                        kind = _health(piece, dtype)
+                        if kind:
+                            bad[j] = max(bad.get(j, FINITE), kind)
+                            if kind == NAN:
+                                dtype = None  # the worst there is: the rest need not be looked at
                     filled += len(piece)
                     i += len(piece)
                     yield piece
@@ -126,8 +145,9 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, Sou
     return out, bad
 
 
-def _finite(piece: memoryview, dtype: torch.dtype) -> bool:
-    """Whether the values in ``piece`` (whole elements of ``dtype``) are all finite.
+def _health(piece: memoryview, dtype: torch.dtype) -> int:
+    """What the values in ``piece`` (whole elements of ``dtype``) hold:
+    :data:`~shardpoint.health.FINITE`, ``INF`` (an infinity, no NaN) or ``NAN``.
 
     A sum is one fast vectorised pass, and a NaN or an infinity anywhere makes it
     non-finite (IEEE arithmetic propagates them in any order); so a finite sum proves
@@ -136,16 +156,18 @@ def _finite(piece: memoryview, dtype: torch.dtype) -> bool:
     (``torch.isfinite`` is some 30 times slower than the sum). A dtype torch cannot sum
     on the CPU (some float8 kinds) counts as finite."""
     if not len(piece):
-        return True
+        return FINITE
     try:
         t = torch.frombuffer(piece, dtype=dtype)
         if t.is_complex():
             t = torch.view_as_real(t)
         if math.isfinite(float(t.sum())) or math.isfinite(float(t.sum(dtype=torch.float64))):
-            return True
-        return bool(torch.isfinite(t).all())
+            return FINITE
+        if bool(torch.isnan(t).any()):
+            return NAN
+        return FINITE if bool(torch.isfinite(t).all()) else INF
     except (RuntimeError, TypeError, ValueError):  # no kernel for this dtype, or a torn element
-        return True
+        return FINITE
 
 
 def _host(v: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..health import DEFAULT_RULE
 from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
@@ -270,7 +271,8 @@ class JobArea:
 
     def inventory(self) -> dict[str, dict[str, Any]]:
         """What this host holds, for the restore ladder over hosts: step (a string) ->
-        ``save_id``, ``healthy``, ``nonfinite``, ``metrics``, ``created``, ``world_size``,
+        ``save_id``, ``healthy`` (by the default :class:`~shardpoint.health.HealthRule`),
+        ``nonfinite``, ``nan``, ``roles``, ``metrics``, ``created``, ``world_size``,
         ``manifest`` (its size), ``need`` (the files the manifest names, with their
         sizes) and ``sha`` (the indexes' SHA-256), all None/empty without a manifest,
         and ``have``: every file present in the step folder, its ``replicas/`` and
@@ -281,11 +283,13 @@ class JobArea:
             return out
         for step in self.steps():
             st = self.storage(step)
-            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "metrics": {}, "created": 0.0,
-                                     "world_size": 0, "manifest": None, "need": None, "sha": {}, "have": {}}
+            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "nan": None, "roles": {},
+                                     "metrics": {}, "created": 0.0, "world_size": 0, "manifest": None, "need": None,
+                                     "sha": {}, "have": {}}
             try:
                 man = read_manifest(st)
-                entry.update(save_id=man.save_id, healthy=not man.nonfinite, nonfinite=list(man.nonfinite or []),
+                entry.update(save_id=man.save_id, healthy=not DEFAULT_RULE.unfit(man.nonfinite, man.nan, man.roles),
+                             nonfinite=list(man.nonfinite or []), nan=man.nan, roles=dict(man.roles),
                              metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
                              manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
                              need=needed(man.files),
