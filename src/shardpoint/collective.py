@@ -846,6 +846,7 @@ class _Failure(TypedDict, total=False):
     type: str
     rank: int
     failed: list[int]
+    cause: bool
 
 
 def _failure(error: BaseException) -> _Failure:
@@ -874,13 +875,18 @@ def _raise_failed(comm: Comm, failed: list[tuple[int, _Failure]], error: BaseExc
 
 
 def coordinate(comm: Comm, payload: object, error: BaseException | None,
-               decide: Callable[[list[Any]], Sequence[object]]) -> Any:
+               decide: Callable[[list[Any]], Sequence[object]],
+               explain: Callable[[], BaseException | None] | None = None) -> Any:
     """One round of the coordinator pattern: every rank's ``payload`` (or the error it
     hit) goes to rank 0, which calls ``decide(payloads) -> replies`` (one reply per
     rank) and sends each rank only its own reply. If any rank failed, or ``decide``
     raised, every rank raises, naming the failing rank and carrying its message (the
     failing rank re-raises its own exception). A non-coordinator rank receives one
     reply, whatever the world size.
+
+    ``explain`` (rank 0, only when some rank failed): an error that is the cause of
+    those failures (a newer attempt took the root, and its retention removed the files
+    being written), raised on every rank in their place; None keeps them.
 
     Returns:
         This rank's reply.
@@ -892,7 +898,11 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
         replies: list[object] | None = None
         if everyone is not None:  # the coordinator
             failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
-            if failed:
+            cause = explain() if failed and explain is not None else None
+            if cause is not None:
+                own = cause
+                replies = [{**_failure(cause), "rank": 0, "failed": [0], "cause": True}] * comm.world
+            elif failed:
                 r, e = failed[0]
                 bad = {"ok": False, "rank": r, "error": e["error"], "type": e["type"], "failed": [f for f, _ in failed]}
                 replies = [bad] * comm.world
@@ -910,6 +920,8 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
         # a peer is gone as well; this rank's own failure is what its user needs first
         raise ShardpointError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})") from own
     if not reply["ok"]:
+        if reply.get("cause") and comm.rank != 0:
+            own = None  # this rank's own failure followed from the cause rank 0 found: that is what it raises
         others: list[tuple[int, _Failure]] = [(f, {}) for f in reply["failed"] if f != reply["rank"]]
         _raise_failed(comm, [(reply["rank"], reply), *others], own)
     return reply["payload"]

@@ -119,6 +119,36 @@ def test_write_atomic(storage: Storage) -> None:
     assert storage.list() == ["manifest.json"]  # no temporary left behind
 
 
+def test_create_new_creates_once(storage: Storage) -> None:
+    assert storage.create_new("owners/00000001", b"first")
+    assert not storage.create_new("owners/00000001", b"second")  # there already: nothing written
+    assert bytes(storage.read("owners/00000001")) == b"first"
+    assert storage.list() == ["owners/00000001"]  # no temporary left behind
+
+
+def test_create_new_races_have_one_winner(storage: Storage) -> None:
+    """Threads creating one name at once: exactly one wins, and its bytes are there
+    (the store decides: a hard link locally, If-None-Match on S3). fsspec's memory
+    filesystem has neither: the documented weaker form (a look-up, the write, a read
+    back) lets a writer whose read-back came before the next write think it won too."""
+    bodies = [f"writer {i}".encode() for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda b: storage.create_new("claim", b), bodies))
+    there = bytes(storage.read("claim"))
+    assert there in [b for b, w in zip(bodies, won) if w], (won, there)
+    if not storage.url.startswith("memory://"):
+        assert won.count(True) == 1, won
+
+
+def test_sizes_lists_every_file_with_its_size(storage: Storage) -> None:
+    assert storage.sizes() == {}
+    storage.write_file("a.bin", [DATA])
+    storage.write_file("sub/b.bin", [b"xyz"])
+    storage.write_atomic("manifest.json", b"{}")
+    assert storage.sizes() == {"a.bin": len(DATA), "sub/b.bin": 3, "manifest.json": 2}
+    assert storage.child("sub").sizes() == {"b.bin": 3}
+
+
 def test_list_and_list_dirs(storage: Storage) -> None:
     assert storage.list() == []
     assert storage.list_dirs() == []

@@ -165,8 +165,17 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
                           what=options.what)
         return [None] * comm.world
 
+    def explain() -> BaseException | None:
+        """A rank failed: if a newer attempt owns the root, that is why (its retention
+        removed this save's folder, say), and what every rank is told."""
+        try:
+            owner = options.owner() if options.owner is not None else None
+            return owner.fenced(options.what) if owner is not None and owner.newer() else None
+        except Exception:  # noqa: BLE001 - the ranks' own errors stay
+            return None
+
     try:
-        coordinate(comm, status.wire() if status is not None else None, error, decide)
+        coordinate(comm, status.wire() if status is not None else None, error, decide, explain)
     except BaseException:
         # a failure after the manifest was written (pointing latest) leaves a committed
         # checkpoint: its data must stay
