@@ -220,3 +220,148 @@ def test_strace_data_fsync_before_manifest_rename_then_dir_fsync(tmp_path: Path)
     assert any(p == str(ckpt) and e["end"] < rename["start"] for p, e in fsyncs)
     check = shardpoint.load_full(ckpt)
     assert torch.equal(check["w"], torch.arange(4096, dtype=torch.float32))
+
+
+# --- a commit checks what it commits ------------------------------------------------------
+
+def vanished_case(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1's data file is deleted (as another job's retention would) after it was
+    written and before rank 0 writes the manifest: nothing is committed and every
+    rank raises naming the file."""
+    import torch.distributed as dist
+
+    from shardpoint.runtime import PROCESS
+
+    path = f"{tmp}/ckpt"
+    gone: list[str] = []
+
+    def hook(phase: str) -> None:
+        if phase == "before_commit" and rank == 0:
+            (name,) = [f for f in os.listdir(path) if f.startswith("r00001-") and f.endswith(".safetensors")]
+            os.unlink(os.path.join(path, name))
+            gone.append(name)
+
+    PROCESS.seams.phase = hook
+    try:
+        shardpoint.save(state(rank, world, 1), path)
+        err = None
+    except shardpoint.ShardpointError as e:
+        err = (type(e).__name__, str(e))
+    PROCESS.seams.phase = None
+    dist.barrier()
+    return {"err": err, "gone": gone, "listing": listing(path)}
+
+
+def test_a_commit_whose_data_file_vanished_commits_nothing(tmp_path: Path) -> None:
+    results = run_ranks(vanished_case, 2, str(tmp_path), timeout=180)
+    gone = results[0]["gone"][0]
+    for res in results:
+        assert res["err"] is not None, res
+        assert f"{tmp_path}/ckpt/{gone} is missing, so the checkpoint was not committed" in res["err"][1], res["err"]
+        assert "manifest.json" not in res["listing"] and not any(f.startswith("r00000-") for f in res["listing"]), res
+
+
+def missing_data_case(rank: int, world: int, tmp: str) -> dict:
+    """Steps 1 and 2 saved; a data file of step 2 (the one latest names) deleted by
+    hand. restore() names it; restore(fallback=True) loads step 1 with a warning."""
+    import warnings
+
+    import torch.distributed as dist
+
+    root = f"{tmp}/root"
+    mgr = shardpoint.CheckpointManager(root)
+    mgr.save(state(rank, world, 1), 1)
+    mgr.save(state(rank, world, 2), 2)
+    dist.barrier()
+    if rank == 0:
+        step2 = f"{root}/step-00000002"
+        os.unlink(os.path.join(step2, sorted(f for f in os.listdir(step2) if f.endswith(".safetensors"))[-1]))
+    dist.barrier()
+    target = state(rank, world, 0)
+    out: dict = {}
+    try:
+        shardpoint.CheckpointManager(root).restore(target)
+    except shardpoint.CorruptCheckpointError as e:
+        out["plain"] = str(e)
+    target = state(rank, world, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = shardpoint.CheckpointManager(root).restore(target, fallback=True)
+    out.update(step=report.step, passed=report.passed_over, version=target["version"],
+               w=target["w"].local.tolist(), warned=[str(w.message) for w in caught])
+    n = 40 // world
+    out["expected_w"] = (torch.arange(40, dtype=torch.float32) + 100)[rank * n : (rank + 1) * n].tolist()
+    return out
+
+
+def test_restore_with_fallback_passes_over_missing_data(tmp_path: Path) -> None:
+    for res in run_ranks(missing_data_case, 2, str(tmp_path), timeout=180):
+        assert "is missing" in res["plain"] and "step-00000002" in res["plain"], res
+        assert res["step"] == 1 and res["version"] == 1 and res["w"] == res["expected_w"], res
+        assert list(res["passed"]) == [2] and "missing or damaged data" in res["passed"][2], res
+        assert any("step 2 " in w and "falling back" in w for w in res["warned"]), res["warned"]
+
+
+# --- one commit: the same checkpoint from a collective save, a converter and a drain ----------
+
+def sharded(rank: int, world: int) -> dict:
+    """A state with nothing replicated (so who writes what is not a choice of the
+    planner): each rank's own partition and per-rank values."""
+    full = torch.arange(40, dtype=torch.float32)
+    n = 40 // world
+    return {"w": FlatShard(full[rank * n : (rank + 1) * n].clone(), (40,), rank * n),
+            "rng": shardpoint.PerRank(torch.full((3,), float(rank)))}
+
+
+def commit_paths_case(rank: int, world: int, tmp: str) -> None:
+    """The same state saved by ``shardpoint.save`` and through a manager's memory tier
+    (its snapshot drained to the root by the helper process), with the save id and the
+    time fixed so that the bytes can be compared."""
+    import uuid as uuid_mod
+
+    import torch.distributed as dist
+
+    from shardpoint.saving import coordinator
+    from shardpoint.tiers import MemoryTier
+
+    fixed = uuid_mod.UUID(int=0xABCDEF)
+    coordinator.uuid.uuid4 = lambda: fixed  # type: ignore[attr-defined]
+    coordinator.time.time = lambda: 1_700_000_000.0  # type: ignore[attr-defined]
+    shardpoint.save(sharded(rank, world), f"{tmp}/online")
+    mgr = shardpoint.CheckpointManager(f"{tmp}/root", memory=MemoryTier(every=1, durable_every=1, path=f"{tmp}/shm"))
+    mgr.save(sharded(rank, world), 1)
+    mgr.wait()
+    dist.barrier()
+
+
+def test_every_commit_path_writes_the_same_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid as uuid_mod
+
+    from shardpoint.api import save_offline
+    from shardpoint.errors import CheckpointExistsError
+    from shardpoint.saving import coordinator, offline
+
+    run_ranks(commit_paths_case, 2, str(tmp_path), timeout=240)
+    fixed = uuid_mod.UUID(int=0xABCDEF)
+    monkeypatch.setattr(offline.uuid, "uuid4", lambda: fixed)
+    monkeypatch.setattr(coordinator.time, "time", lambda: 1_700_000_000.0)
+    save_offline([(r, sharded(r, 2)) for r in range(2)], tmp_path / "offline", world_size=2)
+    online = tmp_path / "online"
+    for other in (tmp_path / "offline", tmp_path / "root" / "step-00000001"):
+        assert sorted(os.listdir(other)) == sorted(os.listdir(online)), other
+        for name in os.listdir(online):  # the manifest and every data file and index, byte for byte
+            assert (other / name).read_bytes() == (online / name).read_bytes(), f"{other}/{name}"
+    # a checkpoint in the way: the same class from every path (a usage error, a FileExistsError)
+    from shardpoint._export import export_checkpoint
+    from shardpoint.storage import storage_for
+
+    attempts = {
+        "save": lambda: shardpoint.save({"x": torch.ones(2)}, online),
+        "save_offline": lambda: save_offline([(0, {"x": torch.ones(2)})], online, world_size=1),
+        "export": lambda: export_checkpoint(storage_for(tmp_path / "offline"), storage_for(online)),
+    }
+    for what, call in attempts.items():
+        with pytest.raises(CheckpointExistsError, match=f"a checkpoint already exists at {online}") as ei:
+            call()
+        assert isinstance(ei.value, (ValueError, FileExistsError)), what
+    assert (online / "manifest.json").read_bytes() == (tmp_path / "offline" / "manifest.json").read_bytes()

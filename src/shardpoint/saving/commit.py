@@ -156,9 +156,6 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
             for ref, info in (st.refs or {}).items():
                 r = manifest.refs.setdefault(ref, {"size": info["size"], "bytes": 0})
                 r["bytes"] += info["bytes"]
-        manifest.nonfinite = sorted({k for st in records for k in st.nonfinite})
-        manifest.nan = sorted({k for st in records for k in st.nan})
-        manifest.roles = {k: v for st in records for k, v in (st.roles or {}).items()}
         manifest.metrics = {str(k): float(v) for k, v in (options.metrics or {}).items()}
         owner = options.owner() if options.owner is not None else None
         commit_checkpoint(storage, manifest, replace=options.overwrite, owner=owner, latest=options.latest,

@@ -388,8 +388,9 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
 
 
 def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str) -> Manifest:
-    """The manifest from the plan, the ranks' values and where each rank's file is:
-    each tensor described by its layout (:mod:`shardpoint.format.layouts`)."""
+    """The manifest from the plan, the ranks' values and what each rank wrote (its
+    file, and the non-finite values it found): each tensor described by its layout
+    (:mod:`shardpoint.format.layouts`)."""
     t = plan.table
     # the writing rows in (key, box) order: the plan's groups are numbered in that order
     w = np.nonzero(plan.writer)[0]
@@ -415,7 +416,11 @@ def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteSta
     files = {st.file: {"size": st.size, "rank": r, "index": st.index.wire()}
              for r, st in enumerate(statuses) if st.file is not None and st.index is not None}
     return Manifest(world_size=len(statuses), created=time.time(), save_id=save_id, tree=tree, files=files,
-                    crc_block=CRC_BLOCK, library_version=__version__)
+                    crc_block=CRC_BLOCK, library_version=__version__,
+                    # health: what any rank found non-finite, and what each key is (shardpoint.health)
+                    nonfinite=sorted({k for st in statuses for k in st.nonfinite}),
+                    nan=sorted({k for st in statuses for k in st.nan}),
+                    roles={k: v for st in statuses for k, v in (st.roles or {}).items()})
 
 
 @dataclass(slots=True)
