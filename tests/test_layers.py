@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("format", "report"),
     ("plan",),
     ("storage", "layout", "tree", "collective", "elastic"),
-    ("adapters", "_rng", "_optim"),
+    ("adapters", "_rng", "_optim", "health"),
     ("saving", "load"),
     ("api", "_export", "verify"),
     ("state", "tiers"),

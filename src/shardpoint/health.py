@@ -82,10 +82,6 @@ class HealthRule:
         return tuple(out)
 
 
-#: The rule a manager applies unless given another.
-DEFAULT_RULE = HealthRule()
-
-
 def roles_of(owners: Sequence[tuple[str, object]], keys: Iterable[str]) -> dict[str, str]:
     """The role of each key of ``keys``: asked of the innermost object in ``owners``
     (``(key, object)`` of the state's objects that have a

@@ -18,7 +18,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointE
 from .format.manifest import MANIFEST_NAME
 from .format.pointer import LATEST, STEP_FOLDER, Pointer
 from .format.refs import split_ref
-from .health import DEFAULT_RULE, HealthRule
+from .health import HealthRule
 from .load.locate import read_manifest
 from .report import LoadReport
 from .saving.fence import Owner, claim
@@ -175,16 +175,16 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         memory: MemoryTier | None = None,
-        health: HealthRule = DEFAULT_RULE,
+        health: HealthRule | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise UsageError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
         if keep_every is not None and keep_every < 1:
             raise UsageError(f"keep_every must be a positive step interval (got {keep_every})")
-        if not isinstance(health, HealthRule):
-            raise UsageError(f"health={health!r}: give a shardpoint.HealthRule")
+        if health is not None and not isinstance(health, HealthRule):
+            raise UsageError(f"health={health!r}: give a shardpoint.health.HealthRule (or None for the default)")
         #: Which non-finite values make a step unfit to resume from.
-        self.health = health
+        self.health = health if health is not None else HealthRule()
         self.storage: Storage = storage_for(root, storage_options)
         self.root = self.storage.url
         self.keep_last, self.keep_every = keep_last, keep_every

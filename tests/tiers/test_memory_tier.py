@@ -169,11 +169,13 @@ def test_memory_snapshots_pass_health_and_accept(tmp_path: Path, shm: Path) -> N
     assert mgr._tiers.area.steps() == [6, 7]  # type: ignore[union-attr]  # 8: the abandoned future
 
     mgr._tiers.area.remove(7)  # type: ignore[union-attr]
-    _poisoned_run(mgr)  # 6, 7 (NaN), 8 (spike) in memory again
+    # 6, 7 (NaN), 8 (spike) in memory again, by a new attempt (the managers above restored:
+    # each claimed the root, and the first one is now stale)
+    _poisoned_run(CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)))
     target = state(0.0)
-    with pytest.warns(UserWarning) as seen:
+    with pytest.warns(UserWarning) as seen:  # accept= decides; it keeps the health verdict by asking for it
         report = CheckpointManager(tmp_path / "root", memory=tier(shm, keep=3)).restore(
-            target, accept=lambda i: i.metrics["loss"] < 100)
+            target, accept=lambda i: i.healthy and i.metrics["loss"] < 100)
     assert report is not None and (report.step, report.tier) == (6, "memory")  # type: ignore[attr-defined]
     assert torch.equal(target["w"], state(6.0)["w"])  # type: ignore[arg-type]
     assert list(report.passed_over) == [8, 7], report.passed_over

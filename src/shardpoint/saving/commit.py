@@ -41,7 +41,8 @@ def exists_error(storage: Storage) -> CheckpointExistsError:
 
 
 def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, owner: Owner | None = None,
-                      latest: str | None = None, data: bytes | None = None, what: str = "the commit") -> None:
+                      latest: str | None = None, data: bytes | None = None, what: str = "the commit",
+                      check: bool = True) -> None:
     """Make ``manifest`` (its sealed bytes ``data``, else made from it) the checkpoint
     at ``storage``; see the module docstring for the order.
 
@@ -56,6 +57,8 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
             committed; it never moves back to a lower step this same attempt pointed it
             at, nor over a newer attempt's pointer.
         what: how messages name this commit ("the save of step 6").
+        check: check the files (off only where they do not all lie at ``storage``:
+            a memory snapshot spread over hosts).
 
     Raises:
         ShardpointError: a file the manifest names is missing or has another size
@@ -82,7 +85,8 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
     PROCESS.seams.fire_phase("before_commit")
     if owner is not None:
         owner.check(what)
-    check_files(storage, manifest)
+    if check:
+        check_files(storage, manifest)
     check_refs(storage, manifest.refs)
     if existed:
         storage.write_atomic(MANIFEST_NAME, blob)
@@ -128,16 +132,15 @@ def _point_latest(owner: Owner | None, folder: str | None, what: str) -> None:
     owner.check(f"pointing latest at {folder} after {what}")
     new = Pointer(folder, owner.generation)
     root = owner.root
-    if root.exists(LATEST):
-        try:
-            cur = Pointer.parse(bytes(root.read(LATEST)), f"{root.url}/{LATEST}", fix="")
-        except (CorruptCheckpointError, OSError):
-            cur = None  # a damaged pointer is replaced
-        if cur is not None and cur.generation == owner.generation and cur.step > new.step:
-            warnings.warn(f"shardpoint: {what} committed {folder}, but {root.url}/{LATEST} stays at {cur.folder}, a "
-                          "newer step this attempt saved (latest never moves back within one attempt; restore() "
-                          "the step to go back to, which starts a new attempt)", stacklevel=3)
-            return
+    try:
+        cur: Pointer | None = Pointer.parse(bytes(root.read(LATEST)), f"{root.url}/{LATEST}", fix="")
+    except (CorruptCheckpointError, OSError):
+        cur = None  # none yet (a missing file reads as such), or damaged: replaced
+    if cur is not None and cur.generation == owner.generation and cur.step > new.step:
+        warnings.warn(f"shardpoint: {what} committed {folder}, but {root.url}/{LATEST} stays at {cur.folder}, a "
+                      "newer step this attempt saved (latest never moves back within one attempt; restore() "
+                      "the step to go back to, which starts a new attempt)", stacklevel=3)
+        return
     root.write_atomic(LATEST, new.to_bytes())
 
 
@@ -159,7 +162,7 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
         manifest.metrics = {str(k): float(v) for k, v in (options.metrics or {}).items()}
         owner = options.owner() if options.owner is not None else None
         commit_checkpoint(storage, manifest, replace=options.overwrite, owner=owner, latest=options.latest,
-                          what=options.what)
+                          what=options.what, check=options.check_files)
         return [None] * comm.world
 
     def explain() -> BaseException | None:

@@ -245,6 +245,9 @@ class SaveOptions:
     latest: str | None = None
     #: How messages name this save ("the save of step 6").
     what: str = "the save"
+    #: Check before the commit that every file is at the path at its size; off for the
+    #: memory tier's snapshots, whose files each lie on their own host's memory.
+    check_files: bool = True
     #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
     after_commit: Callable[[], None] | None = None
     #: This rank's incremental session: chunks it finds unchanged are referenced, not written.

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..health import DEFAULT_RULE
+from ..health import HealthRule
 from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
@@ -288,7 +288,7 @@ class JobArea:
                                      "sha": {}, "have": {}}
             try:
                 man = read_manifest(st)
-                entry.update(save_id=man.save_id, healthy=not DEFAULT_RULE.unfit(man.nonfinite, man.nan, man.roles),
+                entry.update(save_id=man.save_id, healthy=not HealthRule().unfit(man.nonfinite, man.nan, man.roles),
                              nonfinite=list(man.nonfinite or []), nan=man.nan, roles=dict(man.roles),
                              metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
                              manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),

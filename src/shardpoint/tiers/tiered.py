@@ -203,7 +203,8 @@ class Tiers:
             if step not in draining:
                 self.area.remove(step)  # a leftover of an abandoned run of this step
         storage = self.area.storage(step)
-        options = SaveOptions(overwrite=True, metrics=metrics, owner=self.owner, what=f"the memory snapshot of step {step}")
+        options = SaveOptions(overwrite=True, metrics=metrics, owner=self.owner, what=f"the memory snapshot of step {step}",
+                              check_files=False)  # each host holds its own ranks' files: restores check completeness
         try:
             # A step due only for memory returns once its state is copied (staged); the
             # write to shared memory and the commit go on in the background, and the
