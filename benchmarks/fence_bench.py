@@ -82,10 +82,10 @@ def child_local(mb: int, saves: int) -> dict[str, Any]:
 
 def child_s3(saves: int) -> dict[str, Any]:
     import torch
-
-    import shardpoint
     from tests.s3proxy import FaultProxy
     from tests.s3server import s3_server
+
+    import shardpoint
 
     with s3_server() as s3, FaultProxy(s3.endpoint_url) as proxy:
         bucket = s3.new_bucket()
