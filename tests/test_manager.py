@@ -282,3 +282,39 @@ def test_param_groups_that_do_not_match_raise(tmp_path) -> None:  # type: ignore
     o2 = torch.optim.AdamW([{"params": m2[0].parameters()}, {"params": m2[1].parameters(), "lr": 1.0}])
     with pytest.raises(KeyMismatchError, match="param_groups"):
         shardpoint.load(shardpoint.TrainState(m2, o2, rng=False), tmp_path / "c")
+
+
+def test_latest_never_moves_back_within_an_attempt(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One attempt that saves a lower step after a higher one (without restoring in
+    between) leaves latest on the higher one, and says so; a restore (a new attempt,
+    the way to go back) moves it."""
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    _save_step(mgr, 500)
+    with pytest.warns(UserWarning, match=r"latest stays at step-00000500"):
+        _save_step(mgr, 200)
+    assert mgr.latest().step == 500
+    assert _restored_step(mgr, step=200) == 200  # a restore claims the root anew
+    _save_step(mgr, 201)
+    assert mgr.latest().step == 201
+
+
+def test_retention_leaves_an_older_attempts_newer_step_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An older attempt committed step 6 but never pointed latest at it (frozen between
+    the two, then gone); the newer attempt resumes from 4 and saves 5: retention counts
+    and deletes steps up to 5 only, so 6 stays until the newer attempt saves 6 over it."""
+    from shardpoint.format.pointer import LATEST, Pointer
+
+    old = shardpoint.CheckpointManager(tmp_path, keep_last=2)
+    for step in (2, 4, 6):
+        _save_step(old, step)
+    (tmp_path / LATEST).write_bytes(Pointer("step-00000004", old.generation).to_bytes())  # as if frozen before latest
+    new = shardpoint.CheckpointManager(tmp_path, keep_last=1)
+    assert _restored_step(new) == 4
+    _save_step(new, 5)
+    assert [i.step for i in new.list()] == [4, 5, 6]  # 4: restored from; 6: an older attempt's, above 5
+    assert new.latest().step == 5
+    _save_step(new, 6)
+    assert [i.step for i in new.list()] == [4, 6] and new.latest().step == 6
+    with pytest.raises(shardpoint.errors.FencedError, match="generation 1.*generation 2"):
+        _save_step(old, 8)
+    assert [i.step for i in new.list()] == [4, 6]

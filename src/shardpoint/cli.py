@@ -38,6 +38,7 @@ class CheckpointRow(TypedDict):
     status: str
     latest: bool
     nonfinite: list[str] | None  # None: saved before health was recorded, or not committed
+    unfit: list[str] | None  # those of nonfinite that make it unfit to resume from (shardpoint.health)
     metrics: dict[str, float] | None
 
 
@@ -222,7 +223,7 @@ def _ls(args: argparse.Namespace) -> int:
         t.add_column(c, justify="right" if c in ("step", "size", "referenced", "world size") else "left")
     for r in rows:
         t.add_row(str(r["step"]), r["tier"], r["time"] or "-", _human(r["size"]), _human(r["referenced"]) if r["referenced"] else "-",
-                  str(r["world_size"] or "-"), r["status"], _health(r["nonfinite"]),
+                  str(r["world_size"] or "-"), r["status"], _health(r["nonfinite"], r.get("unfit")),
                   " ".join(f"{k}={v:.4g}" for k, v in (r["metrics"] or {}).items()) or "-",
                   "<- latest" if r["latest"] else "")
     _console().print(t)
@@ -231,11 +232,18 @@ def _ls(args: argparse.Namespace) -> int:
     return OK
 
 
-def _health(nonfinite: list[str] | None) -> str:
-    """A checkpoint's health in a table cell."""
+def _health(nonfinite: list[str] | None, unfit: list[str] | None = None) -> str:
+    """A checkpoint's health in a table cell: the keys holding a NaN or an infinity, and
+    whether they make it unfit to resume from (an infinity in a buffer or an extra does not)."""
     if nonfinite is None:
         return "-"  # saved before health was recorded
-    return f"NaN/inf in {len(nonfinite)} key(s)" if nonfinite else "finite"
+    if not nonfinite:
+        return "finite"
+    if unfit is None:  # the rule not applied here
+        return f"NaN/inf in {len(nonfinite)} key(s)"
+    if unfit:
+        return f"unfit: NaN/inf in {len(unfit)} key(s)"
+    return f"fit: inf in {len(nonfinite)} buffer/extra key(s)"
 
 
 def _checkpoints(root: str) -> list[CheckpointRow]:
@@ -263,14 +271,14 @@ def _checkpoints(root: str) -> list[CheckpointRow]:
                          "size": info.size, "referenced": info.referenced, "world_size": info.world_size,
                          "status": "committed", "latest": latest is not None and latest.step == step,
                          "nonfinite": None if info.nonfinite is None else list(info.nonfinite),
-                         "metrics": dict(info.metrics)})
+                         "unfit": list(info.unfit), "metrics": dict(info.metrics)})
         else:
             status = "unreadable manifest" if mgr.storage.child(name).exists(MANIFEST_NAME) else "incomplete"
             if status == "incomplete" and name in needed:
                 status = "referenced data only"  # retention dropped it; kept checkpoints still read these files
             rows.append({"step": step, "path": mgr.storage.child(name).url, "time": None, "size": None,
                          "referenced": None, "world_size": None, "status": status, "latest": False,
-                         "nonfinite": None, "metrics": None})
+                         "nonfinite": None, "unfit": None, "metrics": None})
     return sorted(rows, key=lambda r: r["step"])
 
 

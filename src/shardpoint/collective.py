@@ -927,40 +927,50 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
     return reply["payload"]
 
 
-def agree(comm: Comm, payload: object, error: BaseException | None) -> list[Any]:
-    """Exchange each rank's ``payload`` or error; if any rank failed, raise on every
-    rank (the failing rank re-raises its own exception)."""
-    return start_agree(comm, payload, error)()
+def agree(comm: Comm, payload: object, error: BaseException | None,
+          merge: Callable[[list[Any]], Any] | None = None) -> Any:
+    """Each rank's ``payload`` or error to rank 0; if any rank failed, raise on every
+    rank (the failing rank re-raises its own exception); else every rank gets
+    ``merge(payloads)``, computed once on rank 0 (None without ``merge``; an error
+    ``merge`` raises is raised on every rank). A non-coordinator rank sends its payload
+    and receives the merged result, whatever the world size (:func:`coordinate`)."""
+    return coordinate(comm, payload, error, _merged(comm, merge))
 
 
-def start_agree(comm: Comm, payload: object, error: BaseException | None) -> Callable[[], list[Any]]:
+def start_agree(comm: Comm, payload: object, error: BaseException | None,
+                merge: Callable[[list[Any]], Any] | None = None) -> Callable[[], Any]:
     """:func:`agree`, started: returns the wait for its verdict (which raises as
     :func:`agree` does), so that a rank can do local work that changes nothing while
-    the ranks exchange."""
-    mine = {"ok": error is None, "payload": payload if error is None else None}
-    if error is not None:
-        mine["error"] = f"{type(error).__name__}: {error}"
-        mine["type"] = type(error).__name__
+    the ranks exchange (the exchange runs on a thread of its own meanwhile)."""
 
-    def lost(e: CollectiveMismatchError) -> BaseException:
-        if error is None:
-            return e
-        # a peer is gone as well; this rank's own failure is what its user needs first
-        return ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error} (and {e})")
+    decide = _merged(comm, merge)
+    if comm.store is None:
+        return lambda: coordinate(comm, payload, error, decide)
+    out: list[Any] = []
+    failed: list[BaseException] = []
 
-    try:
-        wait = comm.start_all_gather_json(mine)
-    except CollectiveMismatchError as e:
-        raise lost(e) from error
-
-    def verdict() -> list[Any]:
+    def run() -> None:
         try:
-            everyone = wait()
-        except CollectiveMismatchError as e:
-            raise lost(e) from error
-        failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
+            out.append(coordinate(comm, payload, error, decide))
+        except BaseException as e:  # noqa: BLE001 - raised by the wait, on the caller's thread
+            failed.append(e)
+
+    t = threading.Thread(target=run, name="shardpoint-agree", daemon=True)
+    t.start()
+
+    def verdict() -> Any:
+        t.join()
         if failed:
-            _raise_failed(comm, failed, error)
-        return [e["payload"] for e in everyone]
+            raise failed[0]
+        return out[0]
 
     return verdict
+
+
+def _merged(comm: Comm, merge: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], list[Any]]:
+    """The coordinator's decision of an agreement: ``merge``'s one result, for every rank."""
+
+    def decide(payloads: list[Any]) -> list[Any]:
+        return [merge(payloads) if merge is not None else None] * comm.world
+
+    return decide

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 #: What ``signal.signal`` returns: the handler it replaced.
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
-_STEP = STEP_FOLDER
 _EPOCH = datetime.fromtimestamp(0, tz=timezone.utc)
 
 
@@ -209,7 +208,7 @@ class CheckpointManager:
         return f"step-{step:08d}"
 
     def _info(self, name: str) -> CheckpointInfo | None:
-        m = _STEP.match(name)
+        m = STEP_FOLDER.match(name)
         if not m:
             return None
         sub = self.storage.child(name)
@@ -391,7 +390,7 @@ class CheckpointManager:
             keep.update(s for s in steps if s % self.keep_every == 0)
         committed_names = {self.step_dir(i.step) for i in committed}
         ahead = {self.step_dir(i.step) for i in found if i.step > newest}
-        doomed = [name for name in self.storage.list_dirs() if (m := _STEP.match(name)) and int(m.group(1)) != newest
+        doomed = [name for name in self.storage.list_dirs() if (m := STEP_FOLDER.match(name)) and int(m.group(1)) != newest
                   and name not in ahead and not (int(m.group(1)) in keep and name in committed_names)]
         if not doomed:
             return

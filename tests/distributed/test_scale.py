@@ -85,3 +85,30 @@ def test_save_coordination_is_flat_from_2_to_8_ranks(tmp_path: Path) -> None:
         f"a non-coordinator rank received {worst(small)} bytes at 2 ranks but {worst(large)} at 8")
     assert large[0]["manifest"] <= 1.5 * small[0]["manifest"], (
         f"the manifest is {small[0]['manifest']} bytes at 2 ranks but {large[0]['manifest']} at 8")
+
+
+def _load_once(rank: int, world: int, root: str) -> int:
+    """Bytes this rank receives through the checkpoint group's collectives in one load
+    (the key agreement and the outcome) of a checkpoint of 200 sharded tensors."""
+    import shardpoint
+    from shardpoint.runtime import PROCESS
+
+    path = Path(root) / f"load{world}"
+    keys = 200
+    state = {k: v for k, v in _state(rank, world, 1.0).items() if k == "step" or int(k[5:]) < keys}
+    shardpoint.save(state, path)
+    target = {k: v for k, v in _state(rank, world, 0.0).items() if k == "step" or int(k[5:]) < keys}
+    PROCESS.seams.traffic.reset()
+    shardpoint.load(target, path)
+    assert target["step"] == 1 and torch.equal(target["layer199"].to_local(), torch.full((ROWS, 2), 1.0 + 199))
+    return PROCESS.seams.traffic.received
+
+
+@pytest.mark.timeout(900)
+def test_load_coordination_is_flat_from_2_to_8_ranks(tmp_path: Path) -> None:
+    """A non-coordinator rank sends rank 0 its part of the key agreement and receives
+    one merged answer, and then the outcome: the same bytes at 2, 4 and 8 ranks."""
+    got = {w: run_ranks(_load_once, w, str(tmp_path), timeout=600) for w in (2, 4, 8)}
+    others = {w: max(res[1:]) for w, res in got.items()}
+    assert max(others.values()) <= 1.1 * min(others.values()), others
+    assert got[8][0] > got[2][0], got  # the coordinator's share is what grows

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,12 +62,12 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
         holds = _holds(top, manifest)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
-    verdict = start_agree(comm, holds, err)
+    verdict = start_agree(comm, holds, err, functools.partial(_held_anywhere, storage=storage))
     # while the ranks exchange, plan the reads of this rank's own tensors (that changes nothing)
     ahead = _plan_ahead(top, manifest, storage) if err is None and top is not None and manifest is not None else None
-    everyone = verdict()
+    merged = verdict()
     assert top is not None and manifest is not None and ahead is not None
-    held = _held_anywhere(everyone, manifest, storage)
+    held = _keys_of(merged, manifest)
     # 3. every rank: read its share, fill in place, let the owners settle
     try:
         _read_and_fill(top, manifest, select, report, options, held, comm.rank, ahead)
@@ -117,10 +118,11 @@ def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
     return [manifest.save_id, bits.hex()]
 
 
-def _held_anywhere(everyone: list[Any], manifest: Manifest, storage: Storage) -> set[str]:
-    """The checkpoint keys that some rank's local state holds, from every rank's
-    :func:`_holds`; every rank must have opened the same checkpoint."""
-    names = sorted(manifest.tree.entries)
+def _held_anywhere(everyone: list[Any], storage: Storage) -> str:
+    """Rank 0, from every rank's :func:`_holds`: the checkpoint keys that some rank's
+    local state holds ("" for all of them, else the bitmaps OR-ed, as hex); every rank
+    must have opened the same checkpoint. Every rank receives this one answer (its
+    size depends on the keys, not on the world)."""
     ids = {sid for sid, _bits in everyone}
     if len(ids) > 1:
         raise ShardpointError(
@@ -128,12 +130,21 @@ def _held_anywhere(everyone: list[Any], manifest: Manifest, storage: Storage) ->
             "overwrite=True replaced it while this load began; nothing was loaded. Load again"
         )
     if any(bits == "" for _sid, bits in everyone):
-        return set(names)
-    held = bytearray((len(names) + 7) // 8)
+        return ""
+    held = bytearray(len(everyone[0][1]) // 2)
     for _sid, bits in everyone:
         for i, b in enumerate(bytes.fromhex(bits)):
             held[i] |= b
-    return {k for i, k in enumerate(names) if held[i >> 3] >> (i & 7) & 1}
+    return held.hex()
+
+
+def _keys_of(held: str, manifest: Manifest) -> set[str]:
+    """The checkpoint keys a merged bitmap of :func:`_held_anywhere` names."""
+    names = sorted(manifest.tree.entries)
+    if held == "":
+        return set(names)
+    bits = bytes.fromhex(held)
+    return {k for i, k in enumerate(names) if bits[i >> 3] >> (i & 7) & 1}
 
 
 @dataclass(slots=True)

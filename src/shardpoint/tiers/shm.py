@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import stat
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.pointer import STEP_FOLDER
 from ..health import HealthRule
 from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
@@ -26,7 +26,6 @@ from ..storage.local import LocalStorage
 from .config import job_folder
 from .hosts import FETCHED, REPLICAS, needed
 
-_STEP = re.compile(r"^step-(\d+)$")
 JOB_FILE = "job.json"
 #: Folders of freed snapshots whose bytes are being removed (``JobArea.free``).
 _FREEING = ".freeing-"
@@ -152,7 +151,7 @@ class JobArea:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _STEP.match(n)))
+        return sorted(int(m.group(1)) for n in names if (m := STEP_FOLDER.match(n)))
 
     def complete(self) -> list[Snapshot]:
         """The complete snapshots on this host, oldest first (none when the folder is
@@ -394,5 +393,7 @@ def snapshot_rows(root: str, base: str) -> list[dict[str, Any]]:
                 "time": datetime.fromtimestamp(m.created, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if m else None,
                 "size": m.own_bytes() if m else None, "referenced": 0 if m else None,
                 "world_size": m.world_size if m else None, "status": "committed" if m else "incomplete",
-                "latest": False, "nonfinite": m.nonfinite if m else None, "metrics": dict(m.metrics) if m else None})
+                "latest": False, "nonfinite": m.nonfinite if m else None,
+                "unfit": list(HealthRule().unfit(m.nonfinite, m.nan, m.roles)) if m else None,
+                "metrics": dict(m.metrics) if m else None})
     return rows
