@@ -318,3 +318,57 @@ def test_retention_leaves_an_older_attempts_newer_step_alone(tmp_path) -> None: 
     with pytest.raises(shardpoint.errors.FencedError, match="generation 1.*generation 2"):
         _save_step(old, 8)
     assert [i.step for i in new.list()] == [4, 6]
+
+
+@pytest.mark.parametrize("kw", [{"keep_last": "3"}, {"keep_last": 2.5}, {"keep_last": 0}, {"keep_every": True},
+                                {"timeout": "10"}, {"timeout": -1}, {"timeout": 0}, {"save_every": 0}])
+def test_bad_arguments_are_refused_at_construction(tmp_path, kw) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(shardpoint.errors.UsageError, match=next(iter(kw))):
+        shardpoint.CheckpointManager(tmp_path, **kw)
+    with pytest.raises(shardpoint.errors.UsageError, match="root must be a directory path or a URL"):
+        shardpoint.CheckpointManager(5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("step", [1.5, -1, True, "3"])
+def test_a_bad_step_is_refused_naming_it(tmp_path, step) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    with pytest.raises(shardpoint.errors.UsageError, match=r"step must be a whole number >= 0 \(got " + repr(step)):
+        mgr.save(shardpoint.TrainState(model=filled(1.0), rng=False), step)
+    assert not any(tmp_path.iterdir()), "a refused save leaves nothing behind"
+
+
+def test_the_conveniences_people_look_for(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """all_steps, latest_step, should_save, delete, and the manager as a context manager."""
+    with shardpoint.CheckpointManager(tmp_path, save_every=10) as mgr:
+        assert mgr.all_steps() == [] and mgr.latest_step() is None
+        assert [s for s in range(0, 35) if mgr.should_save(s)] == [0, 10, 20, 30]
+        for step in (10, 20, 30):
+            _save_step(mgr, step)
+        assert mgr.all_steps() == [10, 20, 30] and mgr.latest_step() == 30
+        mgr.delete(20)
+        assert mgr.all_steps() == [10, 30] and not (tmp_path / "step-00000020").exists()
+        with pytest.raises(shardpoint.CheckpointNotFoundError, match="committed steps: \\[10, 30\\]"):
+            mgr.delete(20)
+        with pytest.raises(shardpoint.errors.UsageError, match="the resume point"):
+            mgr.delete(30)
+        mgr._preempt.set()  # a preemption signal arrived: every step is due
+        assert mgr.should_save(31)
+    assert shardpoint.CheckpointManager(tmp_path).latest_step() == 30
+
+
+def test_delete_keeps_what_later_checkpoints_refer_to(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path, incremental=True)
+    frozen = torch.arange(1000.0)
+    for step in (1, 2):
+        mgr.save({"frozen": frozen, "step": step}, step)
+    mgr.delete(1)
+    assert mgr.all_steps() == [2]
+    full = shardpoint.load_full(tmp_path / "step-00000002")
+    assert torch.equal(full["frozen"], frozen) and full["step"] == 2
+
+
+def test_a_metric_that_is_not_a_number_is_refused_before_anything_is_written(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    with pytest.raises(shardpoint.errors.UsageError, match=r"metrics\['loss'\] = 'abc'"):
+        mgr.save(shardpoint.TrainState(model=filled(1.0), rng=False), 1, metrics={"loss": "abc"})
+    assert not any(tmp_path.iterdir())

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
-from .errors import CollectiveMismatchError, ShardpointError
+from .errors import CollectiveMismatchError, ShardpointError, UsageError
 from .runtime import PROCESS
 
 if TYPE_CHECKING:  # types only
@@ -227,12 +227,21 @@ def close_channels(release: bool = False) -> None:
             ch.release()
 
 
+def seconds(timeout: object) -> float:
+    """A ``timeout=`` argument in seconds; :class:`UsageError` unless it is a positive
+    number or a :class:`~datetime.timedelta`."""
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
+        raise UsageError(f"timeout must be a positive number of seconds or a timedelta (got {timeout!r})")
+    return float(s)
+
+
 class Comm:
     """Rank, world size and JSON collectives of one process group."""
 
     def __init__(self, process_group: ProcessGroup | None = None, timeout: timedelta | float = timedelta(minutes=10),
                  arrival_tag: str | None = None) -> None:
-        self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        self.timeout = seconds(timeout)
         #: With a tag, ranks meet by (operation, path, tag) instead of by call order
         #: (see :meth:`arrive`).
         self.arrival_tag = arrival_tag

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import os
 import signal
 import threading
 import warnings
@@ -13,7 +14,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .api import DEFAULT_TIMEOUT, PathLike, load
-from .collective import Comm
+from .collective import Comm, seconds
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
 from .format.manifest import MANIFEST_NAME
 from .format.pointer import LATEST, STEP_FOLDER, Pointer
@@ -92,6 +93,10 @@ def _nonfinite(keys: tuple[str, ...]) -> str:
     return f"non-finite values (NaN or infinity) in {shown}{more}"
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] | None:
     """Folder -> the data files in it that the committed checkpoints in ``folders``
     (under ``root``) refer to; None when one of their manifests cannot be read."""
@@ -150,6 +155,7 @@ class CheckpointManager:
         health: which NaNs and infinities make a step unfit to resume from
             (:class:`~shardpoint.health.HealthRule`; by default a NaN in the model or
             optimizer state and an infinity in a parameter or optimizer state).
+        save_every: the step interval :meth:`should_save` answers by.
 
     One writer: the attempt of the job that restores from ``root`` (or first saves
     into it) owns it; an older attempt that wakes up later (frozen, presumed dead,
@@ -175,18 +181,25 @@ class CheckpointManager:
         incremental: bool = False,
         memory: MemoryTier | None = None,
         health: HealthRule | None = None,
+        save_every: int | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise UsageError(f"keep_last must be at least 1 (got {keep_last}); use None to keep everything")
-        if keep_every is not None and keep_every < 1:
-            raise UsageError(f"keep_every must be a positive step interval (got {keep_every})")
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise UsageError(f"keep_last must be a whole number >= 1 (got {keep_last!r}); use None to keep everything")
+        if keep_every is not None and (not _is_int(keep_every) or keep_every < 1):
+            raise UsageError(f"keep_every must be a positive whole step interval (got {keep_every!r})")
+        if save_every is not None and (not _is_int(save_every) or save_every < 1):
+            raise UsageError(f"save_every must be a positive whole step interval (got {save_every!r}); None saves "
+                             "whenever should_save() is not asked")
+        if not isinstance(root, (str, os.PathLike, Storage)):
+            raise UsageError(f"root must be a directory path or a URL (got {type(root).__name__} {root!r})")
+        seconds(timeout)  # a bad timeout is refused here, not at the first save
         if health is not None and not isinstance(health, HealthRule):
             raise UsageError(f"health={health!r}: give a shardpoint.health.HealthRule (or None for the default)")
         #: Which non-finite values make a step unfit to resume from.
         self.health = health if health is not None else HealthRule()
         self.storage: Storage = storage_for(root, storage_options)
         self.root = self.storage.url
-        self.keep_last, self.keep_every = keep_last, keep_every
+        self.keep_last, self.keep_every, self.save_every = keep_last, keep_every, save_every
         self.process_group, self.timeout = process_group, timeout
         self._storage_options = storage_options
         self._restored: int | None = None
@@ -203,8 +216,8 @@ class CheckpointManager:
     @staticmethod
     def step_dir(step: int) -> str:
         """Folder name of a step: ``step-00000100``."""
-        if step < 0:
-            raise UsageError(f"step must be non-negative, got {step}")
+        if not _is_int(step) or step < 0:
+            raise UsageError(f"step must be a whole number >= 0 (got {step!r})")
         return f"step-{step:08d}"
 
     def _info(self, name: str) -> CheckpointInfo | None:
@@ -282,6 +295,66 @@ class CheckpointManager:
         :meth:`restore` then says which)."""
         return bool(self.list())
 
+    def all_steps(self) -> builtins.list[int]:
+        """The steps of the committed checkpoints, oldest first (damaged ones included)."""
+        return [i.step for i in self.list()]
+
+    def latest_step(self) -> int | None:
+        """The step :meth:`latest` names, or None when there is no checkpoint."""
+        info = self.latest()
+        return info.step if info is not None else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a save: a multiple of ``save_every`` (every step
+        when it is None), or any step once a preemption signal arrived
+        (:meth:`handle_signals`; local to this rank, see :meth:`save_if_preempted`)."""
+        if not _is_int(step) or step < 0:
+            raise UsageError(f"step must be a whole number >= 0 (got {step!r})")
+        return self._preempt.is_set() or self.save_every is None or step % self.save_every == 0
+
+    def delete(self, step: int) -> None:
+        """Delete checkpoint ``step``. Call it on every rank: each waits for its save in
+        flight (see :meth:`wait`), then rank 0 deletes. The manifest goes first, so a
+        half-deleted folder is never taken for a checkpoint; the data files that other
+        kept checkpoints refer to (incremental saves) stay. Refused to an attempt that a
+        newer one superseded (:class:`FencedError`) and for the step ``latest`` names."""
+        name = self.step_dir(step)
+        self.wait()
+        if Comm(self.process_group, self.timeout).rank != 0:
+            return
+        if self._info(name) is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} under {self.root}; committed "
+                                          f"steps: {self.all_steps()}")
+        self._owner_of().check(f"deleting step {step}")
+        if self._read_latest() == name:
+            raise UsageError(f"step {step} is the one {self.root}/{LATEST} names (the resume point); save a newer "
+                             "step first")
+        others = [self.step_dir(s) for s in self.all_steps() if s != step]
+        needed = referenced_files(self.storage, others)
+        if needed is None:
+            raise CorruptCheckpointError(f"cannot delete step {step}: a manifest under {self.root} cannot be read, so "
+                                         "which data other checkpoints refer to is unknown; `shardpoint verify` it")
+        drop(self.storage.child(name), needed.get(name))
+
+    def close(self) -> None:
+        """Wait for the save in flight (and, with a memory tier, its replication and
+        drain; then collective), and give back the signal handlers
+        :meth:`handle_signals` replaced. Also ``with CheckpointManager(...) as mgr:``."""
+        try:
+            self.wait()
+            if self._tiers is not None:
+                self._tiers.close()
+        finally:
+            for s, h in self._old_handlers.items():
+                signal.signal(s, h)
+            self._old_handlers.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- save -----------------------------------------------------------------------
     def save(self, state: object, step: int, *, blocking: bool = True, overlap: bool = False,
              metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
@@ -301,6 +374,10 @@ class CheckpointManager:
             return None  # the memory tier took the step (snapshot; drain if due for durability)
         self.wait()
         name = self.step_dir(step)
+        for k, v in (metrics or {}).items():
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise UsageError(f"metrics[{k!r}] = {v!r}: metrics are numbers by name (give float(value)); nothing "
+                                 "was saved")
         target = self.storage.child(name)
         if overlap and blocking:
             raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
@@ -566,8 +643,6 @@ class CheckpointManager:
         stop, every rank saves ``step`` and this returns True (then exit); otherwise
         returns False. One small all-reduce per call, on a lane of its own: it does
         not wait for an asynchronous save in flight (the save it starts does)."""
-        from .collective import Comm
-
         # the channel's control lane: never waits for a save in flight
         if not Comm(self.process_group, self.timeout).flag_any(self._preempt.is_set()):
             return False
