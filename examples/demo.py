@@ -112,7 +112,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the base install: the table above is the result; the plot is optional
+        print("\nplot: skipped (matplotlib is not installed; `pip install matplotlib` draws the loss curves)")
+        print(f"total: {total:.0f} s for {len(runs)} runs")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
