@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from .format.pointer import LATEST, STEP_FOLDER, Pointer
 from .format.refs import split_ref
 from .health import HealthRule
 from .load.locate import read_manifest
-from .report import LoadReport
+from .report import LoadReport, LoadStats, SaveStats, human
 from .saving.fence import Owner, claim
 from .saving.handle import SaveHandle
 from .saving.incremental import Session, Tracker
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 _EPOCH = datetime.fromtimestamp(0, tz=timezone.utc)
+_LOG = logging.getLogger("shardpoint.manager")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,10 @@ class CheckpointManager:
             (:class:`~shardpoint.health.HealthRule`; by default a NaN in the model or
             optimizer state and an infinity in a parameter or optimizer state).
         save_every: the step interval :meth:`should_save` answers by.
+        on_event: called on every rank with the figures of each save and restore
+            (:class:`~shardpoint.report.SaveStats`, :class:`~shardpoint.report.LoadStats`:
+            bytes, seconds per stage, the caller's stall), to send to TensorBoard or
+            W&B; the same figures go to the ``shardpoint`` logger (INFO on rank 0).
 
     One writer: the attempt of the job that restores from ``root`` (or first saves
     into it) owns it; an older attempt that wakes up later (frozen, presumed dead,
@@ -182,6 +189,7 @@ class CheckpointManager:
         memory: MemoryTier | None = None,
         health: HealthRule | None = None,
         save_every: int | None = None,
+        on_event: Callable[[SaveStats | LoadStats], None] | None = None,
     ) -> None:
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise UsageError(f"keep_last must be a whole number >= 1 (got {keep_last!r}); use None to keep everything")
@@ -200,6 +208,9 @@ class CheckpointManager:
         self.storage: Storage = storage_for(root, storage_options)
         self.root = self.storage.url
         self.keep_last, self.keep_every, self.save_every = keep_last, keep_every, save_every
+        #: Called on every rank with what each save (:class:`~shardpoint.report.SaveStats`) and
+        #: restore (:class:`~shardpoint.report.LoadStats`) cost on that rank.
+        self.on_event = on_event
         self.process_group, self.timeout = process_group, timeout
         self._storage_options = storage_options
         self._restored: int | None = None
@@ -383,7 +394,8 @@ class CheckpointManager:
             raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
         session = self._tracker.begin(name) if self._tracker is not None else None
         options = SaveOptions(overwrite=True, owner=self._owner_of, latest=name, what=f"the save of step {step}",
-                              after_commit=lambda: self._retain(newest=step), incremental=session, metrics=metrics)
+                              after_commit=lambda: self._retain(newest=step), incremental=session, metrics=metrics,
+                              step=step, on_stats=self._event)
         try:
             handle = save_state(Comm(self.process_group, self.timeout), target, state, options,
                                 blocking=blocking, overlap=overlap)
@@ -536,11 +548,25 @@ class CheckpointManager:
         from .saving.handle import settle_in_flight
 
         settle_in_flight()
-        if self._tiers is None or not self._tiers.bypass:  # not the ladder's own durable restore: claimed there
-            self._claim()
-        if self._tiers is not None and not self._tiers.bypass:  # memory tier: the restore ladder
-            return self._tiers_restore(state, step, only=only, exclude=exclude, strict=strict, fallback=fallback,
-                                       accept=accept)
+        if self._tiers is not None and self._tiers.bypass:  # the ladder's own durable restore (claimed, told there)
+            return self._restore_durable(state, step, only=only, exclude=exclude, strict=strict, fallback=fallback,
+                                         accept=accept)
+        t0 = time.perf_counter()
+        self._claim()
+        if self._tiers is not None:  # memory tier: the restore ladder
+            report: LoadReport | None = self._tiers_restore(state, step, only=only, exclude=exclude, strict=strict,
+                                                            fallback=fallback, accept=accept)
+        else:
+            report = self._restore_durable(state, step, only=only, exclude=exclude, strict=strict, fallback=fallback,
+                                           accept=accept)
+        if report is not None:
+            self._restored_event(report, time.perf_counter() - t0)
+        return report
+
+    def _restore_durable(self, state: object, step: int | None, *, only: builtins.list[str] | str | None,
+                         exclude: builtins.list[str] | str | None, strict: bool, fallback: bool,
+                         accept: Callable[[CheckpointInfo], bool] | None) -> LoadReport | None:
+        """:meth:`restore` from the root (without a memory tier, or as its ladder's last rung)."""
         if step is None:
             try:
                 info = self._resume_point()
@@ -578,6 +604,31 @@ class CheckpointManager:
         report.passed_over = passed
         self._restored = info.step
         return report
+
+    def _restored_event(self, report: LoadReport, wall: float) -> None:
+        """After a restore: its stats (with the step and tier) on the report, one INFO
+        line (rank 0), and the event hook."""
+        tier = getattr(report, "tier", "durable")
+        base = report.stats
+        report.stats = LoadStats(path=base.path if base else self.root, step=report.step,
+                                 rank=base.rank if base else 0, bytes_read=report.bytes_read, wall_s=wall,
+                                 phases=dict(base.phases) if base else {}, tier=tier)
+        if report.stats.rank == 0:
+            passed = f"; passed over {sorted(report.passed_over, reverse=True)}" if report.passed_over else ""
+            _LOG.info("restored step %s from %s (%s) in %.3fs: %s read by rank 0%s", report.step, report.stats.path,
+                      tier, wall, human(report.bytes_read), passed)
+        self._event(report.stats)
+
+    def _event(self, stats: SaveStats | LoadStats) -> None:
+        """Give ``stats`` to the ``on_event`` hook (a failing hook is warned about, never
+        fails the save or restore)."""
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(stats)
+        except Exception as e:  # noqa: BLE001 - the user's hook; the checkpoint is fine
+            warnings.warn(f"shardpoint: the on_event hook of the manager of {self.root} failed: "
+                          f"{type(e).__name__}: {e}", stacklevel=3)
 
     def _healthy_from(self, newest: CheckpointInfo,
                       accept: Callable[[CheckpointInfo], bool] | None) -> tuple[CheckpointInfo, dict[int, str]]:

@@ -1,11 +1,79 @@
-"""What a load did, key by key."""
+"""What a load did, key by key; and what a save or a load cost (:class:`SaveStats`,
+:class:`LoadStats`), the figures shardpoint logs (the ``shardpoint`` logger) and a
+manager's ``on_event`` hook receives."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 _LISTS = ("loaded", "created", "missing", "skipped", "unexpected", "cast")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveStats:
+    """What one save cost, as one rank saw it (each rank has its own; rank 0's also
+    counts the whole checkpoint)."""
+
+    path: str
+    """Where the checkpoint was committed."""
+    step: int | None
+    """The step, when a :class:`~shardpoint.CheckpointManager` saved it."""
+    rank: int
+    world_size: int
+    bytes_written: int
+    """This rank's data file and index."""
+    bytes_referenced: int
+    """This rank's chunks stored by reference to an earlier checkpoint (incremental saves)."""
+    checkpoint_bytes: int | None
+    """Rank 0: every rank's data files together; None on the other ranks."""
+    wall_s: float
+    """Seconds from the call to the commit (every rank returned from it)."""
+    stall_s: float
+    """Seconds the caller was blocked: ``wall_s`` for a blocking save; until the
+    state was staged with ``blocking=False``; until the call returned with ``overlap``."""
+    phases: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per stage: ``describe``, ``coordinate``, ``stage``, ``write``, ``commit``."""
+    when: float = field(default_factory=time.time)
+    """When the commit was done (seconds since the epoch)."""
+
+    @property
+    def throughput(self) -> float:
+        """This rank's bytes written per second of the save's wall time."""
+        return self.bytes_written / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadStats:
+    """What one load cost on one rank."""
+
+    path: str
+    step: int | None
+    rank: int
+    bytes_read: int
+    """Bytes this rank read (what its targets need, with neighbouring chunks read together)."""
+    wall_s: float
+    phases: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per stage: ``locate`` (manifest, key check, agreement), ``read`` (reads and placing), ``finish``."""
+    tier: str = "durable"
+    """Where it was read from: ``durable`` (the path), or ``memory`` (a manager's memory tier)."""
+
+    @property
+    def throughput(self) -> float:
+        return self.bytes_read / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def human(n: int | float | None) -> str:
+    """Bytes as a person reads them: ``1.2 GB``."""
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(x) < 1000 or unit == "TB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1000
+    return f"{x:.1f} PB"  # pragma: no cover - the loop returns
 
 
 @dataclass(slots=True)
@@ -29,6 +97,7 @@ class LoadReport:
         world_size: the number of ranks that saved the checkpoint.
         passed_over: steps :meth:`CheckpointManager.restore` did not restore, newest
             first, each with why (non-finite values, a rejected metric).
+        stats: what the load cost on this rank (bytes, seconds per stage).
     """
 
     loaded: list[str] = field(default_factory=list)
@@ -42,6 +111,7 @@ class LoadReport:
     world_size: int | None = None
     bytes_read: int = 0
     passed_over: dict[int, str] = field(default_factory=dict)
+    stats: LoadStats | None = None
 
     def sort(self) -> LoadReport:
         for name in _LISTS:

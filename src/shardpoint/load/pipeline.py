@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ from ..adapters import LoadHooks
 from ..collective import Comm, agree, start_agree
 from ..errors import CorruptCheckpointError, ShardpointError
 from ..format.manifest import Manifest
-from ..report import LoadReport
+from ..report import LoadReport, LoadStats, human
 from ..storage import Storage
 from .locate import Locator, committed, read_manifest
 from .place import Collect, TreeLoad, _Selector, build, fill_all, load_per_rank, materialise_tree
@@ -42,9 +44,13 @@ class LoadOptions:
     verify: bool = True
 
 
+_LOG = logging.getLogger("shardpoint.load")
+
+
 @gc_paused()
 def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -> LoadReport:
     """Load the checkpoint at ``storage`` into ``state`` on every rank of ``comm``."""
+    t0 = time.perf_counter()
     comm.arrive("load", storage.url)
     select = _Selector(options.only, options.exclude)
     report = LoadReport()
@@ -68,6 +74,7 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
     merged = verdict()
     assert top is not None and manifest is not None and ahead is not None
     held = _keys_of(merged, manifest)
+    t1 = time.perf_counter()
     # 3. every rank: read its share, fill in place, let the owners settle
     try:
         _read_and_fill(top, manifest, select, report, options, held, comm.rank, ahead)
@@ -76,9 +83,23 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, None, err)
+    t2 = time.perf_counter()
     # 4. only once every rank succeeded: the owners' collective follow-up (DeepSpeed's weight refresh)
     hooks.loaded()
+    t3 = time.perf_counter()
+    report.stats = LoadStats(path=storage.url, step=None, rank=comm.rank, bytes_read=report.bytes_read, wall_s=t3 - t0,
+                             phases={"locate": t1 - t0, "read": t2 - t1, "finish": t3 - t2})
+    _log_load(report.stats)
     return report.sort()
+
+
+def _log_load(stats: LoadStats) -> None:
+    """One INFO line per load (rank 0's figures), a DEBUG line per rank."""
+    rate = human(stats.throughput) + "/s"
+    phases = ", ".join(f"{k} {v:.3f}s" for k, v in stats.phases.items())
+    if stats.rank == 0:
+        _LOG.info("loaded %s: %s read by rank 0 in %.3fs (%s)", stats.path, human(stats.bytes_read), stats.wall_s, rate)
+    _LOG.debug("load of %s, rank %d: %s read; %s", stats.path, stats.rank, human(stats.bytes_read), phases)
 
 
 @gc_paused()

@@ -145,11 +145,13 @@ def _point_latest(owner: Owner | None, folder: str | None, what: str) -> None:
 
 
 def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, fname: str,
-           status: WriteStatus | None, error: BaseException | None, options: SaveOptions) -> None:
+           status: WriteStatus | None, error: BaseException | None, options: SaveOptions) -> int | None:
     """The commit round (collective). Raises on every rank if any rank failed (its
     ``error``) or the commit did; a rank's own files are then removed, unless the
     manifest naming them was written (a failure pointing ``latest``). The manifest
-    records what any rank found non-finite and rank 0's metrics."""
+    records what any rank found non-finite and rank 0's metrics. Returns, on rank 0,
+    the bytes of the checkpoint's own data files (None elsewhere)."""
+    total: list[int] = []
 
     def decide(statuses: list[Any]) -> list[None]:
         assert coord is not None
@@ -163,6 +165,7 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
         owner = options.owner() if options.owner is not None else None
         commit_checkpoint(storage, manifest, replace=options.overwrite, owner=owner, latest=options.latest,
                           what=options.what, check=options.check_files)
+        total.append(manifest.own_bytes())
         return [None] * comm.world
 
     def explain() -> BaseException | None:
@@ -187,6 +190,7 @@ def commit(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | 
                     warnings.warn(f"shardpoint: the failed save left {storage.url}/{name} behind ({e}); "
                                   "it is not part of any checkpoint and can be deleted", stacklevel=2)
         raise
+    return total[0] if total else None
 
 
 def _surely_uncommitted(storage: Storage, save_id: str) -> bool:

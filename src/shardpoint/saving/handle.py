@@ -15,8 +15,8 @@ otherwise turn into an abort (SIGABRT) of a clean exit.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
-import sys
 import threading
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 
 from ..collective import close_channels
 from ..errors import SaveTimeoutError
+from ..report import SaveStats
 from ..runtime import PROCESS
 from .buffers import StagingBuffer
 
@@ -44,6 +45,8 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._hooks: list[Any] = []
+        #: What the save cost on this rank, once it committed (None before, or when it failed).
+        self.stats: SaveStats | None = None
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -153,13 +156,11 @@ def _at_exit() -> None:
     if not h.done() or h._error is not None:  # a save that committed within the grace is no news
         what = f"step {h.step} ({h.path})" if h.step is not None else h.path
         how = "was still in flight at exit" if abandoned else f"failed ({type(h._error).__name__}: {h._error})"
-        print(
-            f"shardpoint WARNING: the asynchronous save of {what} {how} and was NOT committed "
-            "(no manifest was written, so it does not count as a checkpoint). Call handle.wait() or "
-            "CheckpointManager.wait() before exiting or destroying the process group.",
-            file=sys.stderr,
-            flush=True,
-        )
+        # a logger, not print: with no handler configured, Python's last resort writes it to stderr
+        logging.getLogger("shardpoint.save").warning(
+            "shardpoint WARNING: the asynchronous save of %s %s and was NOT committed (no manifest was written, so "
+            "it does not count as a checkpoint). Call handle.wait() or CheckpointManager.wait() before exiting or "
+            "destroying the process group.", what, how)
 
 
 def _ensure_exit_hook() -> None:

@@ -28,6 +28,8 @@ too. Nothing else differs.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ from typing import Any, TypeVar
 from .._gc import gc_paused
 from ..collective import Comm
 from ..health import roles_of
+from ..report import SaveStats, human
 from ..runtime import PROCESS
 from ..storage import Storage
 from .commit import commit
@@ -48,6 +51,7 @@ from .stage import Stage, optimizers
 from .write import write
 
 T = TypeVar("T")
+_LOG = logging.getLogger("shardpoint.save")
 
 
 @gc_paused()
@@ -55,6 +59,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
                overlap: bool = False) -> SaveHandle | None:
     """Save ``state`` to ``storage`` on every rank of ``comm`` (see :func:`shardpoint.save`).
     Returns None when ``blocking``, else the handle of the save continuing in the background."""
+    clock = _Clock()
     wait_in_flight()  # one save at a time: an earlier asynchronous save commits (or raises) first
     comm.arrive("save", storage.url)
     described: Described | None = None
@@ -63,6 +68,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
         described = describe(state)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank by the plan
         error = e
+    clock.mark("describe")
     handle = None if blocking else SaveHandle(storage.url)
     try:
         planned, coord = request_assignment(comm, storage, described, error, options)
@@ -72,11 +78,12 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
         handle._fail(e)  # surfaced on wait(), as every error of an asynchronous save
         PROCESS.in_flight = handle
         return handle
+    clock.mark("coordinate")
     assert described is not None
     stage = Stage(described, planned.assignment)
     owners = described.health_owners
     if handle is None:
-        _finish(comm, storage, planned, coord, stage.in_place, options, owners)
+        _finish(comm, storage, planned, coord, stage.in_place, options, owners, clock)
         return None
     if overlap:
         stage.guard()
@@ -84,6 +91,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
         staging: Callable[[], Staged] = stage.copy
     else:
         staged, error = _attempt(stage.copy)
+        clock.mark("stage")
         handle._staged.set()
 
         def staging() -> Staged:
@@ -94,7 +102,7 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
 
     def background() -> None:
         try:
-            _finish(comm, storage, planned, coord, staging, options, owners, handle)
+            handle.stats = _finish(comm, storage, planned, coord, staging, options, owners, clock, handle)
         except BaseException as e:  # noqa: BLE001 - surfaced on wait()
             handle._error = e
         finally:
@@ -102,28 +110,74 @@ def save_state(comm: Comm, storage: Storage, state: Any, options: SaveOptions, *
             handle._done.set()
 
     PROCESS.in_flight = handle
+    clock.stall = clock.elapsed()
     handle._thread = comm.start_background(background, "shardpoint-save")
     return handle
 
 
 def _finish(comm: Comm, storage: Storage, planned: Planned, coord: Coordinator | None, staging: Callable[[], Staged],
-            options: SaveOptions, owners: tuple[tuple[str, object], ...], handle: SaveHandle | None = None) -> None:
-    """Stage (if not yet), write, commit, after-commit: every rank, every mode."""
+            options: SaveOptions, owners: tuple[tuple[str, object], ...], clock: _Clock,
+            handle: SaveHandle | None = None) -> SaveStats:
+    """Stage (if not yet), write, commit, after-commit: every rank, every mode. Returns
+    what the save cost on this rank (logged, and given to ``options.on_stats``)."""
     staged, error = _attempt(staging)
     if handle is not None:
         handle._staged.set()
+    clock.mark("stage")
     PROCESS.seams.fire_phase("planned")
     fname = data_file(comm.rank, planned.save_id)
     status: WriteStatus | None = None
     if error is None:
         assert staged is not None
         status, error = _attempt(_write, storage, fname, staged, options.incremental, owners)
-    commit(comm, storage, planned, coord, fname, status, error, options)
+    clock.mark("write")
+    total = commit(comm, storage, planned, coord, fname, status, error, options)
+    clock.mark("commit")
+    wall = clock.elapsed()
+    stats = SaveStats(
+        path=storage.url, step=options.step, rank=comm.rank, world_size=comm.world,
+        bytes_written=(status.size + status.index.size) if status is not None and status.index is not None else 0,
+        bytes_referenced=sum(int(r.get("bytes", 0)) for r in (status.refs or {}).values()) if status is not None else 0,
+        checkpoint_bytes=total, wall_s=wall, stall_s=clock.stall if handle is not None else wall,
+        phases=dict(clock.phases))
+    _log_save(stats, options.what)
+    if options.on_stats is not None:
+        options.on_stats(stats)
     if coord is not None and options.after_commit is not None:
         try:
             options.after_commit()
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; retention may try again next save
             warnings.warn(f"shardpoint: cleaning up old checkpoints after the save failed: {e}", stacklevel=2)
+    return stats
+
+
+class _Clock:
+    """Seconds since a save began, and per stage (stages may run on two threads, one after the other)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        self.stall = 0.0
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _log_save(stats: SaveStats, what: str) -> None:
+    """One INFO line per save (rank 0: the whole checkpoint), a DEBUG line per rank."""
+    phases = ", ".join(f"{k} {v:.3f}s" for k, v in stats.phases.items())
+    if stats.rank == 0 and stats.checkpoint_bytes is not None:
+        rate = human(stats.checkpoint_bytes / stats.wall_s) + "/s" if stats.wall_s > 0 else "-"
+        ref = f", {human(stats.bytes_referenced)} referenced by rank 0" if stats.bytes_referenced else ""
+        _LOG.info("%s committed %s: %s from %d rank(s) in %.3fs (%s); the caller waited %.3fs%s",
+                  what, stats.path, human(stats.checkpoint_bytes), stats.world_size, stats.wall_s, rate, stats.stall_s, ref)
+    _LOG.debug("%s, rank %d: %s written, %s referenced; %s", what, stats.rank, human(stats.bytes_written),
+               human(stats.bytes_referenced), phases)
 
 
 def _write(storage: Storage, fname: str, staged: Staged, incremental: Session | None,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ShardpointError
+from ..report import SaveStats
 from .fence import Owner
 from .incremental import Session
 
@@ -248,6 +249,10 @@ class SaveOptions:
     #: Check before the commit that every file is at the path at its size; off for the
     #: memory tier's snapshots, whose files each lie on their own host's memory.
     check_files: bool = True
+    #: The training step (a manager's save), for the save's stats and log line.
+    step: int | None = None
+    #: Every rank, after the commit: what the save cost on this rank (a manager's event hook).
+    on_stats: Callable[[SaveStats], None] | None = None
     #: Rank 0, after every rank returned from the commit (retention); a failure is a warning.
     after_commit: Callable[[], None] | None = None
     #: This rank's incremental session: chunks it finds unchanged are referenced, not written.

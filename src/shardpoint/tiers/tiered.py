@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import logging
 import os
 import socket
 import threading
@@ -60,6 +61,8 @@ from .hosts import (
 from .replicate import transfer
 from .report import TieredLoadReport
 from .shm import JobArea, PrivateStorage
+
+_LOG = logging.getLogger("shardpoint.tiers")
 
 
 def no_space(e: BaseException) -> bool:
@@ -386,6 +389,7 @@ class Tiers:
             warnings.warn(f"shardpoint: step {result.step} was not made durable under {self.root}: {result.error}. "
                           "Its memory snapshot is kept until newer ones replace it", stacklevel=4)
             return
+        _LOG.info("step %d drained from memory to %s/%s", result.step, self.root, self.folder(result.step))
         self.area.free(self.tier.keep, set())  # the drained snapshot, when newer ones came meanwhile
         try:
             self.on_drained(result.step)
