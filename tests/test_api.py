@@ -672,3 +672,21 @@ def test_importing_shardpoint_changes_nothing_at_exit() -> None:
             "assert len(threading._threading_atexits) == len(before[0]) + 1\n")
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([sys.executable, "-c", code, f"{d}/c"], check=True, timeout=120)
+
+
+def test_a_location_that_is_not_a_checkpoint_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Not found says not found (not "disappeared while reading it"); a path of the wrong
+    type and a load into nothing are usage errors naming what to give."""
+    from shardpoint.errors import UsageError
+
+    with pytest.raises(shardpoint.CheckpointNotFoundError, match=r"no checkpoint at .*nowhere: nothing is there"):
+        shardpoint.load({"w": torch.zeros(2)}, tmp_path / "nowhere")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("hello")
+    with pytest.raises(shardpoint.CheckpointNotFoundError, match="it has no manifest.json"):
+        shardpoint.load({"w": torch.zeros(2)}, tmp_path / "other")
+    with pytest.raises(UsageError, match="a checkpoint location is a path or a URL, not int 5"):
+        shardpoint.save({"w": torch.zeros(2)}, 5)  # type: ignore[arg-type]
+    shardpoint.save({"w": torch.ones(2)}, tmp_path / "ok")
+    with pytest.raises(UsageError, match="fills state in place"):
+        shardpoint.load(None, tmp_path / "ok")

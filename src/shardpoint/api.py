@@ -109,6 +109,9 @@ def load(
         A :class:`LoadReport` saying what this rank loaded, created, skipped, and
         what is missing or unexpected.
     """
+    if state is None:
+        raise UsageError("load(state, path) fills state in place: give the object to fill (a TrainState, a module's "
+                         "state_dict(), a nested dict); shardpoint.load_full(path) returns a new one instead")
     options = LoadOptions(strict=strict, only=only, exclude=exclude, create=create, verify=verify)
     return load_state(Comm(process_group, timeout), storage_for(path, storage_options), state, options)
 

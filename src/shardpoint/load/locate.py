@@ -24,11 +24,20 @@ def read_manifest(storage: Storage) -> Manifest:
     :class:`CorruptCheckpointError` when it cannot be trusted."""
     where = f"{storage.url}/{MANIFEST_NAME}"
     try:
-        if not storage.exists(MANIFEST_NAME):
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {storage.url}: it has no {MANIFEST_NAME}, so no save ever committed there "
-                "(a save that failed or was killed leaves no manifest); check the path"
-            )
+        there = storage.exists(MANIFEST_NAME)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{where} cannot be looked up ({e}); check the path and its permissions") from None
+    if not there:
+        try:
+            empty = not storage.list_dirs() and not storage.list()
+        except OSError:  # only the message depends on it
+            empty = False
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {storage.url}: " + (
+                "nothing is there (check the path)" if empty else
+                f"it has no {MANIFEST_NAME}, so no save ever committed there (a save that failed or was killed leaves "
+                "no manifest; a CheckpointManager's root holds its checkpoints in step-* folders); check the path"))
+    try:
         data = bytes(storage.read(MANIFEST_NAME))
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {MANIFEST_NAME} disappeared while reading it") from None
@@ -41,7 +50,7 @@ def committed(storage: Storage, save_id: str) -> bool:
     """Whether the manifest at ``storage`` is the one of save ``save_id`` (not
     replaced or removed since)."""
     try:
-        return read_manifest(storage).save_id == save_id
+        return storage.exists(MANIFEST_NAME) and read_manifest(storage).save_id == save_id
     except (CheckpointNotFoundError, CorruptCheckpointError, ValueError):  # no (readable) manifest: not committed
         return False
 

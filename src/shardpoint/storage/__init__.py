@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import UsageError
 from ..format.names import check_name
 from .base import Storage
 from .local import LocalStorage
@@ -19,7 +20,11 @@ def storage_for(path: str | os.PathLike[str] | Storage, storage_options: dict[st
     scheme (or ``file://``) on the local filesystem, any other URL through fsspec."""
     if isinstance(path, Storage):
         return path
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"a checkpoint location is a path or a URL, not {type(path).__name__} {path!r}")
     p = os.fspath(path)
+    if not isinstance(p, str):
+        raise UsageError(f"a checkpoint location is a path or a URL, not bytes {p!r}: decode it first")
     if "://" in p and not p.startswith("file://"):
         from .fsspec import FsspecStorage  # optional dependency, imported on demand
 

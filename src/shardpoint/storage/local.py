@@ -329,7 +329,7 @@ class LocalStorage(Storage):
     def list_dirs(self) -> builtins.list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.root) if e.is_dir())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
 
