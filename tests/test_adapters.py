@@ -249,8 +249,11 @@ def test_a_checkpoint_parameter_the_model_lacks_is_unexpected(tmp_path: Path) ->
     shardpoint.save(shardpoint.TrainState(model=m, optimizer=opt, rng=False), tmp_path / "ck")
     small = torch.nn.Sequential(torch.nn.Linear(4, 5))
     o = torch.optim.AdamW(small.parameters())
+    with pytest.raises(shardpoint.KeyMismatchError, match="have no place in the state's model or optimizer"):
+        shardpoint.load(shardpoint.TrainState(model=small, optimizer=o, rng=False), tmp_path / "ck",
+                        exclude=["optimizer/param_groups"])  # strict (the default) refuses a larger model
     report = shardpoint.load(shardpoint.TrainState(model=small, optimizer=o, rng=False), tmp_path / "ck",
-                             exclude=["optimizer/param_groups"])
+                             exclude=["optimizer/param_groups"], strict=False)
     assert "model/2.weight" in report.unexpected and "optimizer/state/2.weight/exp_avg" in report.unexpected
     assert not [k for k in report.created if "2." in k]
 

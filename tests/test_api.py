@@ -690,3 +690,40 @@ def test_a_location_that_is_not_a_checkpoint_says_so(tmp_path) -> None:  # type:
     shardpoint.save({"w": torch.ones(2)}, tmp_path / "ok")
     with pytest.raises(UsageError, match="fills state in place"):
         shardpoint.load(None, tmp_path / "ok")
+
+
+def test_only_and_exclude_that_match_nothing_are_refused_naming_the_closest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from shardpoint.errors import UsageError
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    shardpoint.save(shardpoint.TrainState(model=m, optimizer=opt, rng=False), tmp_path / "c")
+    m2 = torch.nn.Linear(3, 2)
+    state = shardpoint.TrainState(model=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), rng=False)
+    with pytest.raises(UsageError, match=r"only='modle' matches no key.*did you mean 'model'"):
+        shardpoint.load(state, tmp_path / "c", only="modle")
+    with pytest.raises(UsageError, match=r"exclude='optimiser' matches no key.*did you mean 'optimizer'"):
+        shardpoint.load(state, tmp_path / "c", exclude=["optimiser"])
+    report = shardpoint.load(state, tmp_path / "c", only=["model/weight"])  # a whole key is a prefix too
+    assert report.loaded == ["model/weight"]
+
+
+def test_strict_refuses_a_larger_model_and_a_selective_load_stays_selective(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint of a 3-layer model into a 2-layer one: strict=True refuses it before
+    anything changes, naming the keys (as load_state_dict(strict=True) does); strict=False
+    loads the two layers and reports the third unexpected. A checkpoint part the state
+    does not hold at all (its optimizer) stays a selective load under strict=True."""
+    big = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    shardpoint.save(shardpoint.TrainState(model=big, optimizer=opt, rng=False), tmp_path / "c")
+    small = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
+    before = [p.detach().clone() for p in small.parameters()]
+    with pytest.raises(shardpoint.KeyMismatchError, match=r"2 key\(s\) of the checkpoint have no place.*'model/2.bias'"):
+        shardpoint.load(shardpoint.TrainState(model=small, rng=False), tmp_path / "c")
+    assert all(torch.equal(a, b) for a, b in zip(before, small.parameters())), "nothing was modified"
+    report = shardpoint.load(shardpoint.TrainState(model=small, rng=False), tmp_path / "c", strict=False)
+    assert [k for k in report.unexpected if k.startswith("model/")] == ["model/2.bias", "model/2.weight"]
+    assert torch.equal(small[1].weight, big[1].weight)
+    same = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    report = shardpoint.load(shardpoint.TrainState(model=same, rng=False), tmp_path / "c")  # no optimizer given
+    assert torch.equal(same[2].weight, big[2].weight) and not [k for k in report.unexpected if k.startswith("model/")]

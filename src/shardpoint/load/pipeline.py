@@ -15,16 +15,18 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from .._gc import gc_paused
 from ..adapters import LoadHooks
 from ..collective import Comm, agree, start_agree
-from ..errors import CorruptCheckpointError, ShardpointError
+from ..errors import CorruptCheckpointError, KeyMismatchError, ShardpointError, UsageError
 from ..format.manifest import Manifest
 from ..report import LoadReport, LoadStats, human
 from ..storage import Storage
@@ -119,9 +121,52 @@ def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadRepo
         w = hooks.prepare(state, manifest.tree.entries, select)
     except TypeError as e:  # the walk names the key that cannot be saved
         raise ShardpointError(str(e)) from None
+    _check_patterns(select, manifest.tree.entries.keys() | w.leaves.keys() | w.per_rank.keys())
     top = TreeLoad(w, manifest.tree, select, report, rank=rank)
     top.check(strict)
     return top
+
+
+def _check_patterns(select: _Selector, keys: Collection[str]) -> None:
+    """Every ``only=``/``exclude=`` prefix must name some key of the checkpoint or of the
+    state (a typo would load nothing, or exclude nothing, silently); else a
+    :class:`UsageError` naming the closest prefixes."""
+    if select.everything:
+        return
+    prefixes = {k[:i] for k in keys for i in [*(j for j, c in enumerate(k) if c == "/"), len(k)]}
+    for arg, given in (("only", select.only), ("exclude", select.exclude)):
+        for p in given or ():
+            p = p.rstrip("/")
+            if p == "" or p in prefixes:
+                continue
+            close = difflib.get_close_matches(p, sorted(prefixes), n=3, cutoff=0.6)
+            near = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+                f"; the top-level keys are {sorted({k.split('/', 1)[0] for k in keys})[:12]}"
+            raise UsageError(f"{arg}={p!r} matches no key of the checkpoint or of the state{near} (prefixes match "
+                             "whole /-separated segments: 'model' matches 'model/w', never 'model_ema/w')")
+
+
+def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: _Selector, held: set[str]) -> None:
+    """``strict``: checkpoint keys that no rank holds, inside a part of an owner the state
+    holds (its model or optimizer: a model with fewer layers than the checkpoint's), are
+    refused before anything is modified, as ``load_state_dict(strict=True)`` refuses
+    them. Parts the state does not hold at all (no optimizer given) stay a selective load."""
+    parts = []
+    for key, obj in top.walk.stateful:
+        transient = getattr(obj, "_transient", None)
+        for part in (transient() if callable(transient) else ()):
+            prefix = f"{key}/{part}" if key else part
+            if prefix in top.walk.containers:
+                parts.append(prefix + "/")
+    if not parts:
+        return
+    strangers = sorted(k for k in manifest.tree.entries if k not in held and select(k) and k.startswith(tuple(parts)))
+    if strangers:
+        raise KeyMismatchError(
+            f"{len(strangers)} key(s) of the checkpoint have no place in the state's model or optimizer: "
+            f"{strangers[:20]}; the checkpoint's model is larger than this one (strict=True refuses that, as "
+            "load_state_dict does). Load with strict=False to leave them out (they are reported unexpected), or "
+            "exclude=[...] them")
 
 
 def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
@@ -193,6 +238,8 @@ def _read_and_fill(top: TreeLoad, manifest: Manifest, select: _Selector, report:
     them verified, and place every value; Stateful objects get ``load_state_dict``."""
     if ahead.error is not None:
         raise ahead.error
+    if options.strict:
+        _refuse_strangers(top, manifest, select, held)
     reads = ahead.reads
     planned = len(reads.targets)
     top.plan_created(reads, held.__contains__, options.create)
