@@ -101,9 +101,13 @@ def load(
 
     Args:
         strict: raise :class:`KeyMismatchError` when the local state has keys the
-            checkpoint lacks (``report.missing``).
+            checkpoint lacks (``report.missing``), or the checkpoint has keys with no
+            place in a model or optimizer the state holds (a larger model), as
+            ``load_state_dict(strict=True)`` does; parts the state does not hold at all
+            (no optimizer given) are left out either way.
         only / exclude: key prefixes, matched on whole ``/`` segments, to load or to
-            leave out (``only=["model"]`` never matches ``model_ema``).
+            leave out (``only=["model"]`` never matches ``model_ema``); a prefix that
+            matches no key is refused (:class:`UsageError`, naming the closest).
 
     Returns:
         A :class:`LoadReport` saying what this rank loaded, created, skipped, and
