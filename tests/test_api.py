@@ -727,3 +727,25 @@ def test_strict_refuses_a_larger_model_and_a_selective_load_stays_selective(tmp_
     same = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
     report = shardpoint.load(shardpoint.TrainState(model=same, rng=False), tmp_path / "c")  # no optimizer given
     assert torch.equal(same[2].weight, big[2].weight) and not [k for k in report.unexpected if k.startswith("model/")]
+
+
+@pytest.mark.parametrize("kind", ["quantized", "complex32", "nested"])
+def test_tensor_kinds_the_format_cannot_hold_are_refused_at_save(tmp_path, kind) -> None:  # type: ignore[no-untyped-def]
+    """Refused before anything is written, naming the key, the kind and what to save
+    instead (it used to fail as "the manifest is damaged" or "Internal error")."""
+    from shardpoint.errors import UnsupportedTypeError
+
+    make = {"quantized": lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8),
+            "complex32": lambda: torch.ones(4, dtype=torch.complex32),
+            "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}
+    with pytest.raises(UnsupportedTypeError, match=r"key 'net/x'.*" + {"quantized": "int_repr", "complex32": "complex64",
+                                                                           "nested": "unbind"}[kind]):
+        shardpoint.save({"net": {"x": make[kind]()}, "ok": torch.ones(2)}, tmp_path / "c")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_a_model_that_is_not_a_module_is_refused_naming_what_to_give(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from shardpoint.errors import UnsupportedTypeError
+
+    with pytest.raises(UnsupportedTypeError, match=r"TrainState\(model=...\) takes a torch.nn.Module.*not dict"):
+        shardpoint.save(shardpoint.TrainState(model={}), tmp_path / "c")

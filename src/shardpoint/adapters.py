@@ -49,7 +49,7 @@ from ._optim import (
     state_value,
     zeros_like_entry,
 )
-from .errors import ShardpointError, UsageError
+from .errors import ShardpointError, UnsupportedTypeError, UsageError
 from .report import LoadReport
 from .runtime import PROCESS
 from .tree import Walk, decode_key, walk
@@ -122,6 +122,11 @@ class PlainAdapter(Adapter):
 
     def __init__(self, owner: torch.nn.Module | None, *, optimizer: torch.optim.Optimizer | None = None,
                  key_map: KeyMap | None = None) -> None:
+        if owner is not None and not isinstance(owner, torch.nn.Module):
+            raise UnsupportedTypeError(
+                f"TrainState(model=...) takes a torch.nn.Module (plain, DDP, torch.compile'd, FSDP2) or an owner "
+                f"with a registered adapter (a DeepSpeed engine), not {type(owner).__name__}. Save other state as an "
+                "extra (TrainState(..., weights=my_dict)) or with shardpoint.save directly")
         super().__init__(owner, optimizer=optimizer, key_map=key_map)
         self._load_names: dict[str, str] | None = None  # local fqn -> checkpoint fqn, during a load
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedTypeError, UsageError
-from ..format.datafile import dtype_name
+from ..format.datafile import DTYPES, dtype_name
 from ..format.manifest import encode_value
 from ..layout import chunks_of
 from ..tree import walk
@@ -37,6 +37,8 @@ def describe(state: Any) -> Described:
                 except TypeError:  # pragma: no cover - walk only lets plain values through
                     raise UnsupportedTypeError(f"key {key!r}: cannot encode {type(node.obj).__name__}") from None
                 continue
+            if isinstance(node.obj, torch.Tensor):
+                _check_kind(key, node.obj)
             if isinstance(node.obj, torch.Tensor) and node.obj.layout != torch.strided:
                 raise UnsupportedTypeError(
                     f"key {key!r} is a {node.obj.layout} tensor; shardpoint saves dense (strided) tensors only. "
@@ -54,6 +56,22 @@ def describe(state: Any) -> Described:
         owners = () if pkey else tuple((k, o) for k, o in w.stateful if hasattr(o, "_shardpoint_health_role"))
         described[pkey] = Described(sub.containers, values, tensors, rows, views, dict(per_rank), owners)
     return described[""]
+
+
+def _check_kind(key: str, t: torch.Tensor) -> None:
+    """Refuse, naming the key and what to save instead, the tensors the format has no
+    place for (found here, before anything is written, not as a damaged manifest later)."""
+    if t.is_nested:
+        raise UnsupportedTypeError(f"key {key!r} is a nested tensor; shardpoint saves dense tensors. Save its "
+                                   "pieces, `list(t.unbind())`, and nest them again after loading")
+    if t.is_quantized:
+        raise UnsupportedTypeError(
+            f"key {key!r} is a quantized tensor ({t.dtype}); save `t.int_repr()` with its scale and zero point "
+            "(`t.q_scale()`, `t.q_zero_point()`), or `t.dequantize()`")
+    if dtype_name(t.dtype) not in DTYPES:
+        raise UnsupportedTypeError(f"key {key!r} has dtype {t.dtype}, which the checkpoint format does not hold "
+                                   f"(it holds {', '.join(sorted(DTYPES))}); convert it first, e.g. "
+                                   "`t.to(torch.complex64)` for complex32")
 
 
 def data_file(rank: int, save_id: str) -> str:

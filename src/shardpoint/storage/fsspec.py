@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, TypeVar
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UsageError
 from ..format.names import check_name
 from .base import Storage, byte_view
 from .retry import Retry, retry_sync
@@ -122,6 +122,8 @@ class FsspecStorage(Storage):
                 _client_options(options, self.retry)
             try:
                 fs, root = url_to_fs(url, **options)
+            except ImportError as e:  # the filesystem's own package (gcsfs, adlfs, ...)
+                raise UsageError(f"{url} needs a package that is not installed: {e}") from None
             except TypeError:
                 if storage_options.get("use_listings_cache") is not None:
                     raise
