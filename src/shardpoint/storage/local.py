@@ -161,9 +161,13 @@ class LocalStorage(Storage):
         _fsync_dir(os.path.dirname(path))
         return total
 
-    def _durable_tmp(self, path: str, data: bytes) -> str:
-        """A temporary file beside ``path`` holding ``data``, fsynced."""
-        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+    def _durable_tmp(self, name: str, data: bytes) -> tuple[str, str, str]:
+        """``name``'s path, its directory (made if missing) and a temporary file beside
+        it holding ``data``, fsynced: what an atomic write renames or links into place."""
+        path = self._path(name)
+        directory = os.path.dirname(path)
+        self._ensure_dir(directory)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -175,13 +179,10 @@ class LocalStorage(Storage):
             _unlink_quietly(tmp)
             raise _named(e, path) from None
         os.close(fd)
-        return tmp
+        return path, directory, tmp
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        path = self._path(name)
-        directory = os.path.dirname(path)
-        self._ensure_dir(directory)
-        tmp = self._durable_tmp(path, data)
+        path, directory, tmp = self._durable_tmp(name, data)
         try:
             os.replace(tmp, path)
         except BaseException:
@@ -194,10 +195,7 @@ class LocalStorage(Storage):
         instead of renamed over it: ``link`` fails on an existing name, so of two
         writers exactly one creates it. Where the filesystem has no hard links, the
         store's weaker form (a look-up, then the rename)."""
-        path = self._path(name)
-        directory = os.path.dirname(path)
-        self._ensure_dir(directory)
-        tmp = self._durable_tmp(path, data)
+        path, directory, tmp = self._durable_tmp(name, data)
         try:
             os.link(tmp, path)
         except FileExistsError:
