@@ -36,6 +36,7 @@ from .records import Planned, SaveOptions, WriteStatus
 
 
 def exists_error(storage: Storage) -> CheckpointExistsError:
+    """The error of every path that finds a checkpoint in its way and may not replace it."""
     return CheckpointExistsError(
         f"a checkpoint already exists at {storage.url}; pass overwrite=True to replace it, or save to a new path")
 
@@ -65,30 +66,25 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
             (deleted by someone else's retention, say); nothing was committed.
     """
     blob = manifest.to_bytes() if data is None else data
-    old: list[str] = []
+    old: list[str] | None = None  # the replaced checkpoint's files; None: no manifest was there
     if storage.exists(MANIFEST_NAME):
-        try:
-            there = read_manifest(storage)
-        except CheckpointNotFoundError:  # removed since the look-up
-            there = None
-        except ShardpointError:  # a damaged checkpoint in the way: replaced all the same
-            there = None
         if not replace:
             raise exists_error(storage)
+        try:
+            there: Manifest | None = read_manifest(storage)
+        except ShardpointError:  # removed since the look-up, or damaged: replaced all the same
+            there = None
         if there is not None and there.save_id == manifest.save_id:  # committed before: only the pointer
             _point_latest(owner, latest, what)
             return
         old = there.stored_files() if there is not None else []
-        existed = True
-    else:
-        existed = False
     PROCESS.seams.fire_phase("before_commit")
     if owner is not None:
         owner.check(what)
     if check:
         check_files(storage, manifest)
     check_refs(storage, manifest.refs)
-    if existed:
+    if old is not None:
         storage.write_atomic(MANIFEST_NAME, blob)
     elif not storage.create_new(MANIFEST_NAME, blob):  # another writer committed here meanwhile
         if owner is not None:
@@ -96,7 +92,7 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
         raise exists_error(storage)
     PROCESS.seams.fire_phase("committed")
     keep = set(manifest.stored_files())
-    for f in old:
+    for f in old or ():
         if f not in keep:
             try:
                 storage.remove(f)
