@@ -170,7 +170,7 @@ def test_a_subclass_uses_its_parents_adapter(registered: None, tmp_path: Path) -
     # without the registration the same object is a plain (non-module) owner: it cannot be saved that way
     PROCESS.adapters.pop(ENGINE)
     try:
-        with pytest.raises(AttributeError):
+        with pytest.raises(shardpoint.errors.UnsupportedTypeError, match="not PipelineEngine"):
             shardpoint.TrainState(model=PipelineEngine(0)).state_dict()
     finally:
         register(ENGINE, EngineAdapter)

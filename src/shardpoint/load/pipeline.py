@@ -157,7 +157,8 @@ def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: _Selector, held
         for part in (transient() if callable(transient) else ()):
             prefix = f"{key}/{part}" if key else part
             if prefix in top.walk.containers:
-                parts.append(prefix + "/")
+                # an optimizer's hyperparameters are set, not placed (a scheduler adds initial_lr): its state counts
+                parts.append(prefix + ("/state/" if part == "optimizer" else "/"))
     if not parts:
         return
     strangers = sorted(k for k in manifest.tree.entries if k not in held and select(k) and k.startswith(tuple(parts)))
