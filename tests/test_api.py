@@ -706,6 +706,12 @@ def test_only_and_exclude_that_match_nothing_are_refused_naming_the_closest(tmp_
         shardpoint.load(state, tmp_path / "c", exclude=["optimiser"])
     report = shardpoint.load(state, tmp_path / "c", only=["model/weight"])  # a whole key is a prefix too
     assert report.loaded == ["model/weight"]
+    # a part that may be absent (a trainer asks for its grad scaler whether it has one or not) beside one
+    # that matches is no error; alone, it would load nothing
+    report = shardpoint.load(state, tmp_path / "c", only=["model", "grad_scaler"])
+    assert report.loaded == ["model/bias", "model/weight"]
+    with pytest.raises(UsageError, match=r"only='grad_scaler' matches no key.*the top-level keys are"):
+        shardpoint.load(state, tmp_path / "c", only="grad_scaler")
 
 
 def test_strict_refuses_a_larger_model_and_a_selective_load_stays_selective(tmp_path) -> None:  # type: ignore[no-untyped-def]

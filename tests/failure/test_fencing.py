@@ -236,6 +236,7 @@ def test_two_attempts_alive_at_once(where: str, tmp_path: Path, request: pytest.
         out_a = a.outcomes()
     finally:
         a.kill()
+    assert all(o[0].startswith("restored ") for o in out_b), out_b
     restored_b = int(out_b[0][0].split()[1])
     assert restored_b >= 5 and restored_b % 2 == 1, out_b
     for r in range(2):

@@ -128,22 +128,25 @@ def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadRepo
 
 
 def _check_patterns(select: _Selector, keys: Collection[str]) -> None:
-    """Every ``only=``/``exclude=`` prefix must name some key of the checkpoint or of the
-    state (a typo would load nothing, or exclude nothing, silently); else a
-    :class:`UsageError` naming the closest prefixes."""
+    """``only=``/``exclude=`` prefixes that name no key of the checkpoint or of the state
+    are refused when they look like a typo of one that does (``only="modle"`` would load
+    nothing, ``exclude="optimiser"`` exclude nothing, silently), or when no ``only``
+    prefix names anything (nothing would be loaded): a :class:`UsageError` naming the
+    closest prefixes. A prefix for a part that may be absent (a trainer's
+    ``only=[..., "grad_scaler"]`` without a grad scaler) is no error beside others that match."""
     if select.everything:
         return
     prefixes = {k[:i] for k in keys for i in [*(j for j, c in enumerate(k) if c == "/"), len(k)]}
     for arg, given in (("only", select.only), ("exclude", select.exclude)):
-        for p in given or ():
-            p = p.rstrip("/")
-            if p == "" or p in prefixes:
-                continue
-            close = difflib.get_close_matches(p, sorted(prefixes), n=3, cutoff=0.6)
-            near = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
-                f"; the top-level keys are {sorted({k.split('/', 1)[0] for k in keys})[:12]}"
-            raise UsageError(f"{arg}={p!r} matches no key of the checkpoint or of the state{near} (prefixes match "
-                             "whole /-separated segments: 'model' matches 'model/w', never 'model_ema/w')")
+        given = [p.rstrip("/") for p in given or ()]
+        unmatched = [p for p in given if p != "" and p not in prefixes]
+        for p in unmatched:
+            close = difflib.get_close_matches(p, sorted(prefixes), n=3, cutoff=0.75)
+            if close or (arg == "only" and len(unmatched) == len(given)):
+                near = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else \
+                    f"; the top-level keys are {sorted({k.split('/', 1)[0] for k in keys})[:12]}"
+                raise UsageError(f"{arg}={p!r} matches no key of the checkpoint or of the state{near} (prefixes match "
+                                 "whole /-separated segments: 'model' matches 'model/w', never 'model_ema/w')")
 
 
 def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: _Selector, held: set[str]) -> None:
