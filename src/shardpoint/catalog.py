@@ -116,7 +116,7 @@ def _walk(cat: Catalog, st: Storage, rel: str, dirs: list[str], depth: int, budg
         if name.startswith(".") or name in _SKIP or budget[0] <= 0:
             continue
         budget[0] -= 1
-        sub, r = st.child(name), f"{rel}{name}"
+        sub, r = _child(st, name), f"{rel}{name}"
         try:
             if sub.exists(MANIFEST_NAME):
                 cat.entries.append(_checkpoint(sub, r, _step_of(name)))
@@ -135,6 +135,14 @@ def _walk(cat: Catalog, st: Storage, rel: str, dirs: list[str], depth: int, budg
             _manager(cat, sub, r + "/")
         else:
             _walk(cat, sub, r + "/", below, depth + 1, budget)
+
+
+def _child(st: Storage, name: str) -> Storage:
+    """``st/name``, also for a name no checkpoint file may have (Lightning's ``epoch=0-step=100.ckpt``)."""
+    try:
+        return st.child(name)
+    except CorruptCheckpointError:
+        return storage_for(f"{st.url}/{name}")
 
 
 def _manager(cat: Catalog, root: Storage, rel: str) -> None:

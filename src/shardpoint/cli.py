@@ -411,7 +411,13 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         return OK
     console = _console()
-    _print_table(console, f"checkpoints under {args.root}", rows)
+    # checkpoints all in one folder below ROOT (Lightning's lightning_logs/version_0/checkpoints): named from there
+    common = os.path.commonpath([r["name"] for r in rows]) if all(r["tier"] == "durable" for r in rows) else ""
+    if common and common != "." and not any(r["name"] == common for r in rows):
+        rows_shown = [{**r, "name": r["name"][len(common) + 1:]} for r in rows]
+        _print_table(console, f"checkpoints under {os.path.join(args.root, common)}", rows_shown)  # type: ignore[arg-type]
+    else:
+        _print_table(console, f"checkpoints under {args.root}", rows)
     for note in _row_notes(rows, cat) + cat.notes:
         console.print(f"note: {note}", markup=False)  # wrapped to the width, like the table
     return OK
@@ -818,7 +824,7 @@ def _diff(args: argparse.Namespace) -> int:
     differs = bool(res["added"] or res["removed"] or res["changed"])
     if args.json:
         res["identical"] = not differs
-        print(json.dumps(res, indent=2, default=repr))
+        _print_json(res)
         return DIFFERS if differs else OK
     for k in res["added"]:
         print(f"+ {k}")
