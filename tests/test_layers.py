@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api", "_export", "verify"),
     ("state", "tiers"),
     ("manager",),
-    ("cli", "catalog", "integrations", "interop", "__init__"),
+    ("cli", "integrations", "interop", "__init__"),
 ]
 
 

@@ -23,15 +23,15 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format.manifest import MANIFEST_NAME
-from .format.pointer import LATEST, STEP_FOLDER, Pointer
-from .health import HealthRule
-from .load.locate import read_manifest
-from .manager import CheckpointInfo, CheckpointManager, referenced_files
-from .storage import Storage, storage_for
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import MANIFEST_NAME
+from ..format.pointer import LATEST, STEP_FOLDER, Pointer
+from ..health import HealthRule
+from ..load.locate import read_manifest
+from ..manager import CheckpointInfo, CheckpointManager, referenced_files
+from ..storage import Storage, storage_for
 
-__all__ = ["Entry", "Catalog", "catalog", "shardpoint_files", "referrers"]
+__all__ = ["Entry", "Catalog", "catalog", "explain", "shardpoint_files", "referrers"]
 
 COMMITTED, DAMAGED, INCOMPLETE, REFERENCED, FOREIGN = (
     "committed", "damaged", "incomplete", "referenced data only", "not shardpoint")
@@ -237,3 +237,65 @@ def referrers(root: Storage, folder: str) -> list[int]:
         if info.damaged is None and name != folder and folder in (referenced_files(root, [name]) or {}):
             out.append(info.step)
     return out
+
+
+def explain(path: str, cmd: str) -> tuple[bool, str]:
+    """What is at ``path``, a local path that holds no committed checkpoint, in words
+    that advise away nothing anyone still needs: a save that never committed
+    (incomplete: True), data that kept checkpoints read, a folder of checkpoints,
+    another format's checkpoint, anything else, or nothing. ``cmd``: the command
+    that was given ``path``, to name in the advice."""
+    if not os.path.exists(path):
+        return False, f"no checkpoint at {path}: it does not exist"
+    if not os.path.isdir(path):
+        return False, f"{path} is a file; a shardpoint checkpoint is a folder with a manifest.json{_format_hint(path)}"
+    st = storage_for(path)
+    parent = st.parent()
+    step_folder = STEP_FOLDER.match(os.path.basename(st.url)) is not None
+    if step_folder:
+        refs = referrers(parent, os.path.basename(st.url))
+        if refs:
+            return False, (f"{path} is not a checkpoint: it holds the data of a step that retention dropped, which the "
+                           f"checkpoints of step(s) {refs} still read (incremental saves). Keep it: retention and "
+                           "`shardpoint prune` remove it once no checkpoint refers to it. "
+                           f"`shardpoint {cmd}` one of those steps instead")
+    if shardpoint_files(st):
+        fix = (f"when no save is running, `shardpoint prune {parent.url} --incomplete` removes it (and keeps any data "
+               "another checkpoint refers to)" if step_folder else "load an earlier checkpoint")
+        return True, (f"{path} is incomplete: it has shardpoint data files but no manifest.json, so its save never "
+                      f"committed (or is still writing) and it cannot be loaded; {fix}")
+    cat = catalog(st)
+    found = [e for e in cat.entries if e.status in (COMMITTED, DAMAGED)]
+    if found:
+        what = "a CheckpointManager root" if cat.kind == "manager" else "a folder"
+        names = ", ".join(e.name for e in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        return False, (f"{path} is not a checkpoint but {what} of {len(found)} checkpoint(s): {names}. Name one, e.g. "
+                       f"`shardpoint {cmd} {os.path.join(path, found[-1].name)}`; `shardpoint ls {path}` lists them and "
+                       f"`shardpoint verify {path}` verifies each")
+    hint = _format_hint(path)
+    foreign = [e.name for e in cat.entries if e.status == FOREIGN]
+    if foreign:
+        hint += (f"; its checkpoint folder(s) {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''} are in a "
+                 "trainer's own format, not shardpoint's")
+    return False, f"no shardpoint checkpoint at {path}: it has no manifest.json and no checkpoint folder below it{hint}"
+
+
+def _format_hint(path: str) -> str:
+    """Which converter reads what is at ``path``, when it looks like another format's checkpoint."""
+    if os.path.isfile(path):
+        if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+            return f"; a torch.save file converts with `shardpoint convert --from torch {path} DST`"
+        if path.endswith(".safetensors"):
+            return f"; Hugging Face weights convert with `shardpoint convert --from hf {os.path.dirname(path) or '.'} DST`"
+        return ""
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return ""
+    if ".metadata" in names:
+        return f"; it is a torch.distributed.checkpoint (DCP) folder: `shardpoint convert --from dcp {path} DST`"
+    if "latest" in names and any(n.startswith("global_step") for n in names):
+        return f"; it is a DeepSpeed checkpoint folder: `shardpoint convert --from deepspeed {path} DST`"
+    if names & {"model.safetensors", "model.safetensors.index.json"}:
+        return f"; it holds Hugging Face weights: `shardpoint convert --from hf {path} DST`"
+    return ""
