@@ -8,9 +8,10 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
+from ..errors import CorruptCheckpointError
 from ..manager import CheckpointManager
 from .catalog import COMMITTED, DAMAGED, DEPTH, FOREIGN, INCOMPLETE, REFERENCED, Catalog, Entry, catalog
-from .output import OK, human, make_console, print_json
+from .output import OK, USAGE, error, human, make_console, print_json
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -38,7 +39,16 @@ class CheckpointRow(TypedDict):
 
 
 def run(args: argparse.Namespace) -> int:
-    """``shardpoint ls ROOT``: exit 0 whatever the checkpoints' state (2: ROOT is not a folder)."""
+    """``shardpoint ls ROOT``: exit 0 whatever state the checkpoints are in (2: ROOT is
+    not a folder, or cannot be read)."""
+    try:
+        return _ls(args)
+    except CorruptCheckpointError as e:  # a damaged checkpoint is a row; this is something else that cannot be read
+        error(str(e))
+        return USAGE
+
+
+def _ls(args: argparse.Namespace) -> int:
     cat = catalog(args.root)
     rows = [_row(e) for e in cat.entries] + _memory_rows(cat, args.memory_path)
     if args.json:

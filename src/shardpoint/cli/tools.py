@@ -10,6 +10,7 @@ from typing_extensions import (
     NotRequired,  # typing has it from Python 3.11; torch depends on typing_extensions
 )
 
+from ..errors import CorruptCheckpointError
 from .catalog import COMMITTED, DAMAGED, INCOMPLETE, REFERENCED, Entry, catalog
 from .output import DIFFERS, OK, USAGE, error, human, print_json, progress_bar, short_dtype
 
@@ -95,6 +96,7 @@ def _at(tree: Any, path: tuple[str | int, ...]) -> Any:  # Any: a loaded tree, i
 
 
 def diff_command(args: argparse.Namespace) -> int:
+    """``shardpoint diff A B``: exit 1 when they differ."""
     res = diff(args.a, args.b, atol=args.atol, progress=not args.quiet)
     differs = bool(res["added"] or res["removed"] or res["changed"])
     if args.json:
@@ -115,6 +117,7 @@ def diff_command(args: argparse.Namespace) -> int:
 
 # -- export -------------------------------------------------------------------------------------------
 def export_command(args: argparse.Namespace) -> int:
+    """``shardpoint export SRC DST``: a self-contained copy, with a progress bar on a terminal."""
     from .._export import export_checkpoint
     from ..load.locate import read_manifest
     from ..storage import storage_for
@@ -147,6 +150,16 @@ def _refuse_same(src: str, dst: str, what: str) -> bool:
 
 # -- prune --------------------------------------------------------------------------------------------
 def prune_command(args: argparse.Namespace) -> int:
+    """``shardpoint prune ROOT``: exit 0, or 2 when it was not asked to remove anything,
+    ROOT is not a manager root, or a kept checkpoint cannot be read (then nothing is removed)."""
+    try:
+        return _prune(args)
+    except CorruptCheckpointError as e:  # never 1: a damaged checkpoint is left alone and said so
+        error(str(e))
+        return USAGE
+
+
+def _prune(args: argparse.Namespace) -> int:
     from ..manager import CheckpointManager, drop, referenced_files
 
     if args.keep_last is None and not args.incomplete:
@@ -214,6 +227,7 @@ def prune_command(args: argparse.Namespace) -> int:
 
 # -- convert ------------------------------------------------------------------------------------------
 def convert_command(args: argparse.Namespace) -> int:
+    """``shardpoint convert``: one side is shardpoint; never into its own source."""
     src_f, dst_f = args.src_format, args.dst_format
     quiet = args.quiet or args.no_progress
     rename = dict(_pair(r) for r in args.rename) or None
