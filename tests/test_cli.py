@@ -358,11 +358,11 @@ def test_ls_fits_the_width_it_is_given(root: Path, columns: int, monkeypatch: py
     assert code == 0
     assert max(len(ln.rstrip()) for ln in out.splitlines()) <= columns, out
     for step, status in ((10, "DAMAGED"), (20, "committed"), (30, "committed"), (40, "incomplete")):
-        assert any(re_step(ln, step) and status in ln for ln in out.splitlines()), out
+        assert any(_is_row_of(ln, step) and status in ln for ln in out.splitlines()), out
     assert "latest" in out
 
 
-def re_step(line: str, step: int) -> bool:
+def _is_row_of(line: str, step: int) -> bool:
     """The line is the row (or, too narrow for a table, the line) of ``step``."""
     words = line.replace(":", " ").split()
     return words[:1] == [str(step)] or words[:2] == ["step", str(step)]
@@ -408,6 +408,16 @@ def test_ls_understands_trainer_output_folders(tmp_path: Path, capsys: pytest.Ca
     assert [(r["step"], r["name"], r["status"]) for r in _strict_json(out)] == [
         (3, "checkpoints/checkpoint_3", "committed"), (4, "checkpoints/checkpoint_4", "incomplete"),
         (5, "ckpt/step_5", "committed")]
+
+    # several manager roots under one folder: each root's steps, each root's latest
+    for run_name in ("a", "b"):
+        mgr = shardpoint.CheckpointManager(tmp_path / "runs" / run_name / "ckpt")
+        for step in (1, 2):
+            mgr.save(state(step), step)
+    code, out, _ = run(capsys, "ls", str(tmp_path / "runs"), "--json")
+    assert [(r["name"], r["latest"]) for r in _strict_json(out)] == [
+        ("a/ckpt/step-00000001", False), ("a/ckpt/step-00000002", True),
+        ("b/ckpt/step-00000001", False), ("b/ckpt/step-00000002", True)]
 
     # one checkpoint; a folder with none; nothing at all
     code, out, _ = run(capsys, "ls", str(hf / "checkpoint-500"), "--json")

@@ -4,8 +4,9 @@ manifest against itself and against the files that are there.
 
 Damage is reported, never raised: a checkpoint that cannot be trusted is exactly
 what this is for. Memory stays bounded by one read piece per I/O thread, whatever
-sizes a damaged manifest claims. The ``shardpoint verify PATH`` command calls
-:func:`main`.
+sizes a damaged manifest claims. ``python -m shardpoint.verify PATH`` runs
+:func:`main`; the ``shardpoint verify`` command (shardpoint.cli) calls :func:`verify`
+too, and adds folders of checkpoints, JSON and a progress bar.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def cmd(name: str, help: str, aliases: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help, description=help, epilog=_EXAMPLES[name], aliases=list(aliases),
+        c = sub.add_parser(name, help=help, description=textwrap.fill(help, 88), epilog=_EXAMPLES[name], aliases=list(aliases),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
         return c
@@ -97,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep the newest N sound checkpoints (without it: keep every checkpoint)")
     pr.add_argument("--keep-every", type=int, default=None, metavar="K", help="also keep steps that are multiples of K")
     pr.add_argument("--incomplete", action="store_true",
-                    help="also delete step folders that never committed (only when no save is running)")
+                    help="delete step folders whose save never committed (only when no save is running); "
+                         "alone, nothing else")
     pr.add_argument("--dry-run", action="store_true", help="print what would be deleted and delete nothing")
 
     exp = cmd("export", "copy one checkpoint to a self-contained folder: chunks stored by reference are copied in")
