@@ -260,3 +260,360 @@ def test_progress_bar_on_a_terminal_only_and_quiet_silences_it(tmp_path: Path, c
                           str(tmp_path / "c")], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0 and out.stderr == ""
+
+
+# -- issue 33, item 2: honest tools -------------------------------------------------------------------
+def _flip_manifest(folder: Path) -> None:
+    """Flip one byte inside a manifest's JSON: its seal no longer matches."""
+    f = folder / "manifest.json"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    f.write_bytes(bytes(raw))
+
+
+def _strict_json(text: str) -> Any:  # Any: a JSON document
+    def refuse(c: str) -> None:
+        raise ValueError(f"not JSON: {c}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_ls_shows_a_damaged_manifest_as_damaged_and_still_lists_everything(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _flip_manifest(root / "step-00000010")
+    code, out, err = run(capsys, "ls", str(root), "--json")
+    assert code == 0 and err == ""
+    rows = {r["step"]: r for r in _strict_json(out)}
+    assert [(s, r["status"]) for s, r in rows.items()] == [
+        (10, "damaged"), (20, "committed"), (30, "committed"), (40, "incomplete")]
+    assert rows[10]["time"] is None and rows[10]["size"] is None and rows[10]["world_size"] is None
+    assert "checksum mismatch" in rows[10]["damaged"] and rows[20]["damaged"] is None
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0 and "1970" not in out
+    assert any(ln.split()[:1] == ["10"] and "DAMAGED" in ln for ln in out.splitlines()), out
+    assert "step-00000010 is DAMAGED: manifest.json: checksum mismatch" in out
+
+    # the newest one damaged: still a table of every step, exit 0 (it was: no table, exit 1)
+    _flip_manifest(root / "step-00000030")
+    code, out, err = run(capsys, "ls", str(root))
+    assert code == 0 and err == ""
+    for step, status in ((10, "DAMAGED"), (20, "committed"), (30, "DAMAGED"), (40, "incomplete")):
+        assert any(ln.split()[:1] == [str(step)] and status in ln for ln in out.splitlines()), out
+    assert "step-00000030 is DAMAGED" in out and "(`latest` names it)" in out
+    rows = {r["step"]: r for r in _strict_json(run(capsys, "ls", str(root), "--json")[1])}
+    assert rows[30]["status"] == "damaged" and rows[30]["latest"] is True
+    # what the manager says, the tool says
+    assert {i.step for i in shardpoint.CheckpointManager(root).list() if i.damaged} == {10, 30}
+
+    (root / "latest").write_bytes(b'{"seal": "00", "latest": "step-00000020"}')  # a damaged pointer
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0 and "latest is damaged" in out and "<- latest" not in out
+
+
+def test_ls_json_is_strict_json_and_health_is_per_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mgr = shardpoint.CheckpointManager(tmp_path)
+    mgr.save({"model": {"w": torch.ones(3)}}, 1, metrics={"loss": 2.5})
+    poisoned = torch.ones(3)
+    poisoned[1] = float("nan")
+    mgr.save({"model": {"w": poisoned}}, 2, metrics={"loss": float("nan"), "gnorm": float("inf")})
+    code, out, _ = run(capsys, "ls", str(tmp_path), "--json")
+    assert code == 0
+    assert "NaN" not in out and "Infinity" not in out
+    rows = {r["step"]: r for r in _strict_json(out)}
+    assert rows[1]["metrics"] == {"loss": 2.5} and rows[1]["healthy"] is True and rows[1]["nonfinite"] == []
+    assert rows[2]["metrics"] == {"loss": None, "gnorm": None}
+    assert rows[2]["healthy"] is False and rows[2]["unfit"] == ["model/w"] and rows[2]["nan"] == ["model/w"]
+    code, out, _ = run(capsys, "ls", str(tmp_path))
+    line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["2"])
+    assert "UNFIT: NaN in model/w" in line and "loss=nan" in line, out
+    assert "restore passes over it" in out
+
+
+def _closed_pipe(argv: list[str]) -> subprocess.CompletedProcess[bytes]:
+    """Run the command with stdout a pipe whose reader is already gone (`| head` that has had enough)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([sys.executable, "-m", "shardpoint.cli", *argv], stdout=w, stderr=subprocess.PIPE,
+                              timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    finally:
+        os.close(w)
+
+
+def test_a_closed_pipe_ends_the_output_quietly(root: Path) -> None:
+    for argv in (["ls", str(root), "--json"], ["ls", str(root)], ["inspect", str(root / "step-00000010")]):
+        done = _closed_pipe(argv)
+        assert done.returncode == 0 and done.stderr == b"", (argv, done)
+    _flip_data_byte(root / "step-00000020")
+    done = _closed_pipe(["verify", str(root / "step-00000020")])
+    assert done.returncode == 1 and done.stderr == b"", done  # the verdict stands
+
+
+@pytest.mark.parametrize("columns", [100, 80, 50])
+def test_ls_fits_the_width_it_is_given(root: Path, columns: int, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _flip_manifest(root / "step-00000010")
+    monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0
+    assert max(len(ln.rstrip()) for ln in out.splitlines()) <= columns, out
+    for step, status in ((10, "DAMAGED"), (20, "committed"), (30, "committed"), (40, "incomplete")):
+        assert any(_is_row_of(ln, step) and status in ln for ln in out.splitlines()), out
+    assert "latest" in out
+
+
+def _is_row_of(line: str, step: int) -> bool:
+    """The line is the row (or, too narrow for a table, the line) of ``step``."""
+    words = line.replace(":", " ").split()
+    return words[:1] == [str(step)] or words[:2] == ["step", str(step)]
+
+
+def test_ls_understands_trainer_output_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def state(step: int) -> dict[str, Any]:
+        return {"model": {"w": torch.full((3,), float(step))}, "extra": {"lightning": {"global_step": step}}}
+
+    # the HF Trainer: output_dir/checkpoint-N (integrations/transformers.py); one in its own format beside them
+    hf = tmp_path / "hf_out"
+    for step in (500, 1000):
+        shardpoint.save(state(step), hf / f"checkpoint-{step}")
+    (hf / "checkpoint-1500").mkdir()
+    (hf / "checkpoint-1500" / "model.safetensors").write_bytes(b"\0" * 8)
+    (hf / "runs").mkdir()  # TensorBoard's folder: not a checkpoint, not listed
+    code, out, _ = run(capsys, "ls", str(hf), "--json")
+    assert code == 0
+    assert [(r["step"], r["name"], r["status"]) for r in _strict_json(out)] == [
+        (500, "checkpoint-500", "committed"), (1000, "checkpoint-1000", "committed"),
+        (1500, "checkpoint-1500", "not shardpoint")]
+    code, out, _ = run(capsys, "ls", str(hf))
+    assert "checkpoint-1000" in out and "committed" in out and "no step-" not in out
+
+    # Lightning: default_root_dir/lightning_logs/version_0/checkpoints/{epoch=0-step=100,last}.ckpt folders
+    ckpts = tmp_path / "pl" / "lightning_logs" / "version_0" / "checkpoints"
+    shardpoint.save(state(100), ckpts / "epoch=0-step=100.ckpt")
+    shardpoint.save(state(150), ckpts / "last.ckpt")
+    code, out, _ = run(capsys, "ls", str(tmp_path / "pl"), "--json")
+    assert [(r["step"], r["name"], r["status"]) for r in _strict_json(out)] == [
+        (100, "lightning_logs/version_0/checkpoints/epoch=0-step=100.ckpt", "committed"),
+        (150, "lightning_logs/version_0/checkpoints/last.ckpt", "committed")]  # last.ckpt: the step it saved
+    code, out, _ = run(capsys, "ls", str(tmp_path / "pl"))
+    assert "epoch=0-step=100.ckpt" in out and "last.ckpt" in out
+
+    # Accelerate: save_state(accelerator, "ckpt/step_N") or its automatic checkpoints/checkpoint_N; one never committed
+    acc = tmp_path / "acc"
+    shardpoint.save(state(3), acc / "checkpoints" / "checkpoint_3")
+    shardpoint.save(state(4), acc / "checkpoints" / "checkpoint_4")
+    (acc / "checkpoints" / "checkpoint_4" / "manifest.json").unlink()
+    shardpoint.save(state(5), acc / "ckpt" / "step_5")
+    code, out, _ = run(capsys, "ls", str(acc), "--json")
+    assert [(r["step"], r["name"], r["status"]) for r in _strict_json(out)] == [
+        (3, "checkpoints/checkpoint_3", "committed"), (4, "checkpoints/checkpoint_4", "incomplete"),
+        (5, "ckpt/step_5", "committed")]
+
+    # several manager roots under one folder: each root's steps, each root's latest
+    for run_name in ("a", "b"):
+        mgr = shardpoint.CheckpointManager(tmp_path / "runs" / run_name / "ckpt")
+        for step in (1, 2):
+            mgr.save(state(step), step)
+    code, out, _ = run(capsys, "ls", str(tmp_path / "runs"), "--json")
+    assert [(r["name"], r["latest"]) for r in _strict_json(out)] == [
+        ("a/ckpt/step-00000001", False), ("a/ckpt/step-00000002", True),
+        ("b/ckpt/step-00000001", False), ("b/ckpt/step-00000002", True)]
+
+    # one checkpoint; a folder with none; nothing at all
+    code, out, _ = run(capsys, "ls", str(hf / "checkpoint-500"), "--json")
+    assert [(r["step"], r["name"], r["status"]) for r in _strict_json(out)] == [(500, ".", "committed")]
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    code, out, _ = run(capsys, "ls", str(tmp_path / "empty"))
+    assert code == 0 and "no checkpoints under" in out
+    assert run(capsys, "ls", str(tmp_path / "empty"), "--json")[1].strip() == "[]"
+    assert run(capsys, "ls", str(tmp_path / "nothing"))[0] == 2
+
+
+def _incremental_root(tmp_path: Path) -> Path:
+    """An incremental root whose retention dropped step 0; steps 2 and 3 still read its data file."""
+    root = tmp_path / "inc"
+    frozen = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    mgr = shardpoint.CheckpointManager(root, incremental=True, keep_last=2)
+    for step in range(4):
+        mgr.save({"frozen": frozen, "w": torch.full((3,), float(step))}, step)
+    assert not (root / "step-00000000" / "manifest.json").exists() and any((root / "step-00000000").iterdir())
+    return root
+
+
+def test_no_tool_advises_deleting_what_a_checkpoint_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _incremental_root(tmp_path)
+    base = root / "step-00000000"
+    code, out, _ = run(capsys, "ls", str(root), "--json")
+    assert [(r["step"], r["status"]) for r in _strict_json(out)] == [
+        (0, "referenced data only"), (2, "committed"), (3, "committed")]
+    for cmd in ("verify", "inspect"):
+        code, out, err = run(capsys, cmd, str(base))
+        assert code == 2 and "is not a checkpoint" in err and "[2, 3] still read" in err and "Keep it" in err, err
+        assert "delete" not in err and "--incomplete" not in err and "is incomplete" not in err
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--incomplete")
+    assert code == 0 and "step-00000000" not in out.replace("dropped step(s) [0]", "")
+    assert "kept the data of dropped step(s) [0]" in out
+    assert run(capsys, "verify", str(root / "step-00000003"))[0] == 0  # what it reads is still there
+    assert torch.equal(shardpoint.load_full(root / "step-00000003")["w"], torch.full((3,), 3.0))
+
+
+def test_verify_and_inspect_on_a_folder_of_checkpoints(root: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # a manager root: verify checks each committed checkpoint and names the rest
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == 0 and err == "", err
+    assert out.count("OK: ") == 3 and "3 checkpoint(s) verified" in out and "3 OK" in out
+    assert "not checked (not checkpoints): step-00000040 (incomplete)" in out
+    fname = _flip_data_byte(root / "step-00000020")
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    doc = _strict_json(out)
+    assert code == 1 and doc["ok"] is False
+    assert [(c["name"], c["ok"]) for c in doc["checkpoints"]] == [
+        ("step-00000010", True), ("step-00000020", False), ("step-00000030", True)]
+    assert doc["checkpoints"][1]["damaged_files"] == [fname]
+    assert doc["not_checked"] == [{"name": "step-00000040", "step": 40, "status": "incomplete"}]
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and "1 DAMAGED (step-00000020)" in out
+    # inspect wants one checkpoint: it names them, and deletes nothing by advice
+    code, _, err = run(capsys, "inspect", str(root))
+    assert code == 2 and "is not a checkpoint but a CheckpointManager root of 3 checkpoint(s)" in err
+    assert f"shardpoint inspect {root / 'step-00000030'}" in err
+    assert "incomplete" not in err and "delete" not in err
+
+    # an HF output_dir: the same
+    hf = tmp_path / "out"
+    shardpoint.save(_state(10), hf / "checkpoint-10")
+    code, out, _ = run(capsys, "verify", str(hf))
+    assert code == 0 and "1 checkpoint(s) verified" in out
+    code, _, err = run(capsys, "inspect", str(hf))
+    assert code == 2 and "checkpoint-10" in err and "delete" not in err
+
+    # a random directory: no checkpoint, said so; not "incomplete", nothing to delete
+    rnd = tmp_path / "photos"
+    (rnd / "2024").mkdir(parents=True)
+    (rnd / "cat.jpg").write_bytes(b"\xff\xd8")
+    for cmd in ("verify", "inspect"):
+        code, _, err = run(capsys, cmd, str(rnd))
+        assert code == 2 and "no shardpoint checkpoint at" in err, err
+        assert "incomplete" not in err and "delete" not in err and "prune" not in err
+    # a folder of Hugging Face weights: which converter reads it
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"\0" * 8)
+    code, _, err = run(capsys, "inspect", str(tmp_path / "gpt2"))
+    assert code == 2 and "convert --from hf" in err
+
+    # a save that never committed, in a manager root: incomplete (1), and prune is the advice, not rm
+    code, _, err = run(capsys, "verify", str(root / "step-00000040"))
+    assert code == 1 and "is incomplete" in err and f"shardpoint prune {root} --incomplete" in err
+    assert "delete it" not in err
+
+
+def test_verify_and_inspect_show_health(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = torch.nn.Linear(3, 4)
+    with torch.no_grad():
+        model.weight[2, 1] = float("nan")
+    shardpoint.save(shardpoint.TrainState(model=model, best=torch.tensor(float("inf"))), tmp_path / "sick")
+    code, out, _ = run(capsys, "verify", str(tmp_path / "sick"))
+    assert code == 0 and out.startswith("OK: ")  # the bytes are as saved: a NaN is not damage
+    health = next(ln for ln in out.splitlines() if ln.startswith("health: "))
+    assert health.startswith("health: UNFIT to resume from: inf in 'extra/best', NaN in 'model/weight'"), out
+    assert "restore passes over it" in health
+    doc = _strict_json(run(capsys, "verify", str(tmp_path / "sick"), "--json")[1])
+    assert doc["health"] == {"nonfinite": ["extra/best", "model/weight"], "nan": ["model/weight"],
+                             "unfit": ["model/weight"]}  # an infinity in an extra (best = inf) is a value
+
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "sick"))
+    assert code == 0 and "UNFIT to resume from, NaN/inf in 2 key(s), marked [NaN] or [inf] below" in " ".join(out.split())
+    leaf = {k: next(ln for ln in out.splitlines() if f"── {k}  " in ln).rstrip() for k in ("weight", "bias", "best")}
+    assert leaf["weight"].endswith("whole  [NaN, unfit]"), out
+    assert leaf["best"].endswith("whole  [inf]") and leaf["bias"].endswith("whole"), out
+    doc = _strict_json(run(capsys, "inspect", str(tmp_path / "sick"), "--json")[1])
+    assert {k: t["health"] for k, t in doc["tensors"].items()} == {
+        "extra/best": "inf", "model/bias": "finite", "model/weight": "nan"}
+    assert doc["unfit"] == ["model/weight"]
+
+    shardpoint.save({"model": {"w": torch.ones(2)}}, tmp_path / "well")
+    code, out, _ = run(capsys, "verify", str(tmp_path / "well"))
+    assert code == 0 and "health: finite" in out
+
+
+def test_version_and_quiet_everywhere(capsys: pytest.CaptureFixture[str], root: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith(f"shardpoint {shardpoint.__version__} (torch ")
+    step = str(root / "step-00000010")
+    for argv in (["ls", str(root)], ["inspect", step], ["verify", step], ["diff", step, step],
+                 ["prune", str(root), "--keep-last", "5"], ["export", step, str(tmp_path / "exp")],
+                 ["convert", "--to", "hf", step, str(tmp_path / "hf"), "--prefix", ""]):
+        assert main([*argv, "-q"]) == 0, argv
+    assert main(["verify", "--quiet", step]) == 0
+
+
+def test_progress_on_verify_and_export_on_a_terminal_only(tmp_path: Path) -> None:
+    shardpoint.save({"model": {f"w{i}": torch.randn(64, 64) for i in range(4)}}, tmp_path / "sp")
+    code, err = _stderr_on_a_terminal(["verify", str(tmp_path / "sp")])
+    assert code == 0 and "verifying" in err and "65.5" in err, err
+    code, err = _stderr_on_a_terminal(["verify", "-q", str(tmp_path / "sp")])
+    assert code == 0 and err == ""
+    code, err = _stderr_on_a_terminal(["export", str(tmp_path / "sp"), str(tmp_path / "copy")])
+    assert code == 0 and "exporting" in err and "65." in err, err
+    code, err = _stderr_on_a_terminal(["export", "--quiet", str(tmp_path / "sp"), str(tmp_path / "copy2")])
+    assert code == 0 and err == ""
+    out = subprocess.run([sys.executable, "-m", "shardpoint.cli", "verify", str(tmp_path / "sp")], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0 and out.stderr == ""
+
+
+def test_prune_incomplete_alone_and_around_damage(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "prune", str(root))
+    assert code == 2 and "--keep-last N" in err and "--incomplete" in err
+    code, out, _ = run(capsys, "prune", str(root), "--incomplete")  # no --keep-last needed
+    assert code == 0 and "removed step-00000040 (incomplete)" in out and "kept 3 committed checkpoint(s)" in out
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000020", "step-00000030"]
+
+    # a damaged manifest hides which older data it refers to: prune leaves it and what is older alone
+    _flip_manifest(root / "step-00000020")
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1")
+    assert code == 0
+    assert "left damaged step(s) [20] alone" in out and "left step(s) [10] alone" in out
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000020", "step-00000030"]
+    code, _, err = run(capsys, "prune", str(root.parent), "--keep-last", "1")
+    assert code == 2 and "not a CheckpointManager root" in err
+
+
+def test_convert_refuses_to_write_into_its_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "sp"
+    shardpoint.save({"model": {"w": torch.ones(2, 2)}}, src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for dst in (src, src / "hf", Path(str(src) + "/")):
+        code, _, err = run(capsys, "convert", "--to", "hf", str(src), str(dst))
+        assert code == 2 and "the destination is" in err and "Nothing was written" in err, err
+    code, _, err = run(capsys, "export", str(src), str(src), "--overwrite")
+    assert code == 2 and "the destination is the source itself" in err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert torch.equal(shardpoint.load_full(src)["model"]["w"], torch.ones(2, 2))
+
+
+def test_convert_deepspeed_names_the_tags_there_are(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ds = tmp_path / "ds"
+    for tag in ("global_step100", "global_step200"):
+        (ds / tag).mkdir(parents=True)
+        (ds / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (ds / "latest").write_text("global_step200")
+    code, _, err = run(capsys, "convert", "--from", "deepspeed", "--tag", "nosuch", str(ds), str(tmp_path / "out"))
+    assert code == 2 and "tag 'nosuch' is not in" in err
+    assert "its tags: global_step100, global_step200" in err and "latest names 'global_step200'" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_diff_json_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = torch.zeros(3)
+    b = torch.zeros(3)
+    b[0] = float("nan")
+    shardpoint.save({"x": a, "best": float("nan")}, tmp_path / "a")
+    shardpoint.save({"x": b, "best": float("nan")}, tmp_path / "b")
+    code, out, _ = run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    doc = _strict_json(out)
+    assert code == 1 and doc["max_abs_diff"] == {"x": None} and "x" in doc["changed"]
+    doc = _strict_json(run(capsys, "inspect", str(tmp_path / "a"), "--json")[1])
+    assert doc["values"] == {"best": None}

@@ -5,7 +5,7 @@ through the load's stages (locate, verified reads) and writes through storage.""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .errors import CorruptCheckpointError, ShardpointError
 from .format.chunks import ChunkLoc
@@ -31,12 +31,14 @@ def _header(storage: Storage, name: str) -> dict[str, HeaderEntry]:
         raise CorruptCheckpointError(f"{where}: its safetensors header cannot be read ({e})") from None
 
 
-def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) -> None:
+def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False,
+                      advance: Callable[[int], None] | None = None) -> None:
     """Copy the checkpoint at ``src`` to ``dst`` with every referenced chunk copied
     in, checking every byte's CRC on the way; ``dst``'s manifest is written last, so
-    a failed export leaves no checkpoint at ``dst``."""
+    a failed export leaves no checkpoint at ``dst``. ``advance`` is called with the
+    size of each piece copied (a progress bar)."""
     try:
-        _export(src, dst, overwrite)
+        _export(src, dst, overwrite, advance or (lambda n: None))
     except ShardpointError:  # named already (some are OSErrors too: a checkpoint in the way)
         raise
     except OSError as e:  # the destination (a full disk, no permission): the source's damage is named otherwise
@@ -46,13 +48,13 @@ def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False) ->
         ) from None
 
 
-def _export(src: Storage, dst: Storage, overwrite: bool) -> None:
+def _export(src: Storage, dst: Storage, overwrite: bool, advance: Callable[[int], None]) -> None:
     m = read_manifest(src)
     if not overwrite and dst.exists(MANIFEST_NAME):  # before anything is copied
         raise exists_error(dst)
     if not m.refs:  # self-contained already (any version): a byte copy
         for name in m.stored_files():
-            dst.write_file(name, _pieces(src, name))
+            dst.write_file(name, _counted(_pieces(src, name), advance))
         commit_checkpoint(dst, m, replace=overwrite, data=bytes(src.read(MANIFEST_NAME)), what="the export")
         return
     reader = with_refs(src, m)
@@ -71,7 +73,7 @@ def _export(src: Storage, dst: Storage, overwrite: bool) -> None:
                 raise CorruptCheckpointError(f"{src.url}: chunk {name!r} is not in the header of {where}")
             declared.append((name, h.dtype, h.shape, loc.length))
         head = header_bytes(declared)
-        dst.write_file(fname, _copied(reader, fname, order, m.crc_block, head))
+        dst.write_file(fname, _counted(_copied(reader, fname, order, m.crc_block, head), advance))
         off = len(head)
         chunks = {}
         for name, loc in order:
@@ -99,6 +101,12 @@ def _copied(reader: Storage, fname: str, order: list[tuple[str, Located]], block
                 yield memoryview(piece)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{e} (chunk {name!r}); the source is damaged: nothing was exported") from None
+
+
+def _counted(pieces: Iterator[bytes | memoryview], advance: Callable[[int], None]) -> Iterator[bytes | memoryview]:
+    for p in pieces:
+        advance(len(p))
+        yield p
 
 
 def _pieces(storage: Storage, name: str) -> Iterator[bytes | memoryview]:

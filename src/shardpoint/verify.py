@@ -4,8 +4,9 @@ manifest against itself and against the files that are there.
 
 Damage is reported, never raised: a checkpoint that cannot be trusted is exactly
 what this is for. Memory stays bounded by one read piece per I/O thread, whatever
-sizes a damaged manifest claims. The ``shardpoint verify PATH`` command calls
-:func:`main`.
+sizes a damaged manifest claims. ``python -m shardpoint.verify PATH`` runs
+:func:`main`; the ``shardpoint verify`` command (shardpoint.cli) calls :func:`verify`
+too, and adds folders of checkpoints, JSON and a progress bar.
 """
 
 from __future__ import annotations
@@ -16,19 +17,30 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.chunks import ChunkLoc, TensorSpec
 from .format.datafile import header_length, parse_header
 from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest
+from .health import HealthRule
 from .load.locate import Locator, read_manifest
 from .load.read import io_threads, read_verified
 from .plan.read import tiling_problem
 from .storage import Storage, storage_for
 
-__all__ = ["Problem", "VerifyResult", "verify", "main"]
+__all__ = ["Problem", "VerifyResult", "Meter", "verify", "main"]
+
+
+class Meter(Protocol):
+    """Where :func:`verify` reports its progress (the command line's progress bar)."""
+
+    def start(self, total: int) -> None:
+        """The bytes there are to check, once, before the first :meth:`advance`."""
+
+    def advance(self, n: int) -> None:
+        """``n`` more bytes checked (called from the reading threads)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,6 +83,15 @@ class VerifyResult:
     """The manifest's seal: ``"verified"`` (its SHA-256 matched), ``"absent"`` (a
     version-1 manifest has none, so damage to it cannot be detected), or None when
     the manifest could not be read (``problems`` says why)."""
+    nonfinite: list[str] | None = None
+    """Health, as recorded at save (docs/format.md, section 3.5): the keys whose tensors
+    held a NaN or an infinity; None when not recorded (saved before shardpoint recorded
+    health, or the manifest could not be read). Not damage: the bytes are as saved."""
+    nan: list[str] | None = None
+    """Of ``nonfinite``, the keys that held a NaN (None: not recorded)."""
+    unfit: list[str] = field(default_factory=list)
+    """Of ``nonfinite``, the keys that make it unfit to resume from under the default
+    :class:`~shardpoint.health.HealthRule` (``CheckpointManager.restore`` passes over it)."""
 
     @property
     def ok(self) -> bool:
@@ -85,6 +106,20 @@ class VerifyResult:
     def damaged_keys(self) -> list[str]:
         return sorted({p.key for p in self.problems if p.key is not None})
 
+    def health(self) -> str:
+        """The health record in words ("" when the manifest could not be read)."""
+        if self.seal is None:
+            return ""
+        if self.nonfinite is None:
+            return "not recorded (saved before shardpoint recorded health)"
+        if not self.nonfinite:
+            return "finite (no NaN or infinity in any tensor)"
+        found = _findings(self.nonfinite, self.nan)
+        if self.unfit:
+            return (f"UNFIT to resume from: {found}; CheckpointManager.restore passes over it "
+                    "(restore(state, step=N) loads it as it is)")
+        return f"fit to resume from: {found} (in buffers or extras: recorded only)"
+
     def summary(self) -> str:
         """The text ``shardpoint verify`` prints."""
         if self.ok:
@@ -94,6 +129,9 @@ class VerifyResult:
             lines += [f"  {p}" for p in self.problems]
             lines.append(f"damaged files: {', '.join(self.damaged_files) or '-'}")
             lines.append(f"damaged keys: {', '.join(self.damaged_keys) or '-'}")
+        health = self.health()
+        if health:
+            lines.append(f"health: {health}")
         if self.seal == "verified":
             lines.append(f"manifest seal: verified ({ALGORITHM})")
         elif self.seal == "absent":
@@ -104,7 +142,16 @@ class VerifyResult:
         return "\n".join(lines)
 
 
-def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str, Any] | None = None) -> VerifyResult:
+def _findings(keys: list[str], nan: list[str] | None, shown: int = 5) -> str:
+    """``NaN in 'model/w', inf in 'extra/best'`` for the first ``shown`` keys."""
+    nans = None if nan is None else set(nan)
+    words = [f"{'NaN or inf' if nans is None else 'NaN' if k in nans else 'inf'} in {k!r}" for k in keys[:shown]]
+    more = f" and {len(keys) - shown} more key(s)" if len(keys) > shown else ""
+    return ", ".join(words) + more
+
+
+def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str, Any] | None = None,
+           progress: Meter | None = None) -> VerifyResult:
     """Re-read every chunk of the checkpoint at ``path`` and check it.
 
     Checks: the manifest's seal (its SHA-256; ``result.seal``), that it parses and is self-consistent (chunks tile each tensor,
@@ -113,7 +160,9 @@ def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str,
     the manifest's chunks; every block of every chunk matches its CRC-32.
 
     One process, no process group. Never raises for damage: everything wrong is
-    in ``result.problems``.
+    in ``result.problems``. ``result.nonfinite`` and ``result.unfit`` carry the health
+    the save recorded (a NaN is not damage). ``progress`` is told the bytes to check and
+    each piece checked.
 
     Raises:
         CheckpointNotFoundError: there is no manifest at ``path`` (nothing was
@@ -129,18 +178,24 @@ def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str,
         res.problems.append(Problem(file=MANIFEST_NAME, key=None, reason=str(e)))
         return res
     res.seal = "verified" if manifest.sealed else "absent"
+    res.nonfinite = None if manifest.nonfinite is None else list(manifest.nonfinite)
+    res.nan = None if manifest.nan is None else list(manifest.nan)
+    res.unfit = list(HealthRule().unfit(manifest.nonfinite, manifest.nan, manifest.roles))
     locator = Locator(storage, manifest)
     storage = locator.storage  # referenced chunks are checked in their sibling checkpoint's file
     resolved = _resolve(locator, manifest, res)
     sizes = _check_files(storage, manifest, res, resolved)
-    jobs: list[Callable[[], tuple[int, Problem | None]]] = []
+    jobs: list[partial[tuple[int, Problem | None]]] = []
     for t in resolved:
         res.tensors += 1
         if t.locs is not None:
             jobs += _check_tensor(storage, manifest.crc_block, t, sizes, res)
     if jobs:
+        if progress is not None:
+            progress.start(sum(j.keywords["loc"].length for j in jobs))
+        advance = progress.advance if progress is not None else None
         with ThreadPoolExecutor(max_workers=max(1, min(io_threads(storage), len(jobs)))) as ex:
-            for nbytes, problem in ex.map(lambda j: j(), jobs):
+            for nbytes, problem in ex.map(lambda j: j(advance=advance), jobs):
                 res.checked_bytes += nbytes
                 if problem is not None:
                     res.problems.append(problem)
@@ -241,7 +296,7 @@ def _check_header(storage: Storage, name: str, size: int, spans: list[tuple[int,
 
 
 def _check_tensor(storage: Storage, block: int, t: _Tensor, sizes: dict[str, int | None],
-                  res: VerifyResult) -> list[Callable[[], tuple[int, Problem | None]]]:
+                  res: VerifyResult) -> list[partial[tuple[int, Problem | None]]]:
     """Structural checks now; one checksum job per readable chunk."""
     spec, rank = t.spec, t.rank
 
@@ -253,7 +308,7 @@ def _check_tensor(storage: Storage, block: int, t: _Tensor, sizes: dict[str, int
         if why is not None:
             problem(f"the manifest's chunks do not tile the tensor: key {spec.key!r}: {why} in the manifest; the "
                     "checkpoint is damaged", MANIFEST_NAME)
-    jobs: list[Callable[[], tuple[int, Problem | None]]] = []
+    jobs: list[partial[tuple[int, Problem | None]]] = []
     for loc, c in zip(t.locs or [], spec.chunks(), strict=True):
         f, lo, n = loc.file, loc.offset, loc.length
         if n != c.box.numel * spec.itemsize:
@@ -266,15 +321,17 @@ def _check_tensor(storage: Storage, block: int, t: _Tensor, sizes: dict[str, int
         if lo + n > size:
             problem(f"bytes {lo}..{lo + n} lie beyond the end of the file ({size} bytes): truncated", f)
             continue
-        jobs.append(partial(_crc_job, storage, block, spec.key, rank, loc))
+        jobs.append(partial(_crc_job, storage, block, spec.key, rank, loc=loc))
     return jobs
 
 
-def _crc_job(storage: Storage, block: int, key: str, rank: int | None, loc: ChunkLoc) -> tuple[int, Problem | None]:
+def _crc_job(storage: Storage, block: int, key: str, rank: int | None, *, loc: ChunkLoc,
+             advance: Callable[[int], None] | None = None) -> tuple[int, Problem | None]:
     bad: list[int] = []
     try:
-        for _ in read_verified(storage, loc, block, on_bad=bad.append):
-            pass
+        for piece in read_verified(storage, loc, block, on_bad=bad.append):
+            if advance is not None:
+                advance(len(piece))
     except (OSError, CorruptCheckpointError) as err:
         return 0, Problem(file=loc.file, key=key, rank=rank, reason=f"cannot be read: {err}")
     if not bad:

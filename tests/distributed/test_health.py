@@ -90,7 +90,7 @@ def test_restore_passes_over_nan_checkpoints_and_says_why(tmp_path: Path) -> Non
     assert rows[2]["nonfinite"] == [] and rows[4]["nonfinite"] == []
     assert rows[6]["nonfinite"] == ["model/0.weight"]  # poisoned after step 6's update: the moments are still finite
     assert "model/0.weight" in rows[8]["nonfinite"] and "optimizer/state/0.weight/exp_avg" in rows[8]["nonfinite"]
-    assert math.isnan(rows[8]["metrics"]["loss"]) and math.isfinite(rows[4]["metrics"]["loss"])
+    assert rows[8]["metrics"]["loss"] is None and math.isfinite(rows[4]["metrics"]["loss"])  # NaN: null, strict JSON
     meta = shardpoint.api.metadata(root / "step-00000008")
     assert "model/0.weight" in (meta.nonfinite or [])
 
