@@ -766,3 +766,20 @@ def test_chunks_of_whole_64_byte_lines_start_64_byte_aligned(tmp_path: Path) -> 
         for r in range(3):
             assert torch.equal(full["rng"][r]["seed"], torch.arange(5, dtype=torch.uint8) + r)
             assert torch.equal(full["rng"][r]["state"], torch.arange(64, dtype=torch.int32) + r + step)
+
+
+def test_what_the_writer_learns_of_a_moved_chunk_stays_with_its_key(tmp_path: Path) -> None:
+    """The writer puts ``b`` (64 bytes) before ``a`` and ``c`` (12 and 20), then ``c``
+    before ``a`` (longest first): the non-finite values it finds while streaming, and
+    each chunk's place in the index, still belong to the right keys."""
+    b = torch.zeros(16)
+    b[3] = math.nan
+    state = {"a": torch.ones(3), "b": b, "c": torch.full((5,), math.inf)}
+    shardpoint.save(state, tmp_path)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["health"]["nonfinite"] == ["b", "c"]
+    (index,) = [json.loads(p.read_text())["chunks"] for p in tmp_path.glob("*.index.json")]
+    start = index["b@0"][0]
+    assert start % 64 == 0 and index["c@0"][0] == start + 64 and index["a@0"][0] == start + 84
+    back = shardpoint.load_full(tmp_path)
+    assert all(torch.equal(back[k].nan_to_num(), v.nan_to_num()) for k, v in state.items())

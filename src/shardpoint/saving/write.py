@@ -102,18 +102,18 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, tor
     copied in file order) with no other copy, checksummed block by block as they go;
     a floating-point chunk's pieces are checked for non-finite values in the same
     pass, while they are in cache, until the first NaN is found."""
-    order = datafile.file_order([t.numel() * t.element_size() for _, t in chunks])
+    lengths = [t.numel() * t.element_size() for _, t in chunks]
+    order = datafile.file_order(lengths)
     placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order],
-                                  sources([chunks[i][1] for i in order], pool()))
+                                  sources([chunks[i][1] for i in order], pool()), [lengths[i] for i in order])
     at = {i: j for j, i in enumerate(order)}  # position in chunks -> position in the file
     return [placed[at[i]] for i in range(len(chunks))], {order[j]: kind for j, kind in bad.items()}
 
 
-def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source]
+def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source], lengths: list[int]
                     ) -> tuple[list[WrittenChunk], dict[int, int]]:
-    """:func:`write_data_file` of ``srcs`` in the order given."""
+    """:func:`write_data_file` of ``srcs`` (of ``lengths`` bytes) in the order given."""
     chunks = list(zip(names, srcs))
-    lengths = [src.numel() * src.element_size() for src in srcs]
     health = PROCESS.seams.health_check
     bad: dict[int, int] = {}
     header = data_header([(n, src.dtype, tuple(src.shape), length) for (n, src), length in zip(chunks, lengths)])
