@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -182,9 +183,13 @@ def file_order(lengths: Sequence[int]) -> list[int]:
     header that ends at a multiple of :data:`ALIGN` (:func:`data_header`), every chunk
     of the first kind and the longest of the others start aligned, with no gap
     between chunks: the file stays a valid safetensors file."""
-    whole = [i for i, n in enumerate(lengths) if n % ALIGN == 0]
-    rest = sorted((i for i, n in enumerate(lengths) if n % ALIGN), key=lambda i: -lengths[i])
-    return whole + rest
+    n = np.fromiter(lengths, dtype=np.int64, count=len(lengths))  # array operations: a save may write 10,000s
+    odd = n % ALIGN != 0
+    if not odd.any():
+        return list(range(len(n)))
+    rest = np.flatnonzero(odd)
+    rest = rest[np.argsort(-n[rest], kind="stable")]
+    return np.concatenate([np.flatnonzero(~odd), rest]).tolist()
 
 
 def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]], fmt: str = "shardpoint",

@@ -102,12 +102,16 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, tor
     copied in file order) with no other copy, checksummed block by block as they go;
     a floating-point chunk's pieces are checked for non-finite values in the same
     pass, while they are in cache, until the first NaN is found."""
-    lengths = [t.numel() * t.element_size() for _, t in chunks]
+    lengths = [t.nbytes for _, t in chunks]
     order = datafile.file_order(lengths)
+    if order == list(range(len(chunks))):  # often: every chunk a multiple of 64 bytes
+        return _write_in_order(storage, name, [c[0] for c in chunks], sources([c[1] for c in chunks], pool()), lengths)
     placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order],
                                   sources([chunks[i][1] for i in order], pool()), [lengths[i] for i in order])
-    at = {i: j for j, i in enumerate(order)}  # position in chunks -> position in the file
-    return [placed[at[i]] for i in range(len(chunks))], {order[j]: kind for j, kind in bad.items()}
+    written = placed[:]
+    for w, i in zip(placed, order):
+        written[i] = w
+    return written, {order[j]: kind for j, kind in bad.items()}
 
 
 def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source], lengths: list[int]
