@@ -777,7 +777,7 @@ def test_what_the_writer_learns_of_a_moved_chunk_stays_with_its_key(tmp_path: Pa
     state = {"a": torch.ones(3), "b": b, "c": torch.full((5,), math.inf)}
     shardpoint.save(state, tmp_path)
     m = json.loads((tmp_path / "manifest.json").read_text())
-    assert m["health"]["nonfinite"] == ["b", "c"]
+    assert m["health"]["nonfinite"] == ["b", "c"] and m["health"]["nan"] == ["b"]
     (index,) = [json.loads(p.read_text())["chunks"] for p in tmp_path.glob("*.index.json")]
     start = index["b@0"][0]
     assert start % 64 == 0 and index["c@0"][0] == start + 64 and index["a@0"][0] == start + 84
