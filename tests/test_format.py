@@ -302,7 +302,8 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
     assert fname == f"r00000-{m['save_id']}.safetensors" and len(m["save_id"]) == 12
     raw = (p / fname).read_bytes()
     header = b'{"__metadata__":{"format":"shardpoint"},"w@0":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
-    header += b" " * (-len(header) % 8)
+    header += b" " * (-(8 + len(header)) % 64)  # the data starts 64-byte aligned (docs/format.md, section 4)
+    assert len(header) == 120
     data = struct.pack("<2f", 1.0, -2.0)
     assert raw == struct.pack("<Q", len(header)) + header + data
     iname = f"r00000-{m['save_id']}.index.json"
@@ -623,12 +624,40 @@ def _save_v1_state(rank: int, world: int, path: str) -> None:
     shardpoint.save(rank_state(rank), path)
 
 
+def _aligned_layout(old: bytes) -> tuple[bytes, dict[str, int]]:
+    """A data file written before issue 34 (``old``) laid out as docs/format.md,
+    section 4, says a writer lays one out since: the same chunks, those whose length
+    is a multiple of 64 first (in the old order), then the others longest first (ties
+    in the old order), the header padded with spaces so the data starts at a multiple
+    of 64. Returns the file's bytes and each chunk's absolute offset in it."""
+    (n,) = struct.unpack("<Q", old[:8])
+    header = json.loads(old[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    chunks = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])  # the old order
+    size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in chunks}
+    order = [kv for kv in chunks if size[kv[0]] % 64 == 0]
+    order += sorted((kv for kv in chunks if size[kv[0]] % 64), key=lambda kv: -size[kv[0]])
+    new: dict[str, Any] = {"__metadata__": meta}
+    pos, data = 0, b""
+    for k, v in order:
+        b, e = v["data_offsets"]
+        new[k] = {"dtype": v["dtype"], "shape": v["shape"], "data_offsets": [pos, pos + e - b]}
+        data += old[8 + n + b : 8 + n + e]
+        pos += e - b
+    hb = json.dumps(new, separators=(",", ":")).encode()
+    hb += b" " * (-(8 + len(hb)) % 64)
+    return struct.pack("<Q", len(hb)) + hb + data, {k: 8 + len(hb) + new[k]["data_offsets"][0] for k, _ in order}
+
+
 @pytest.mark.distributed
-def test_the_same_state_is_written_byte_for_byte_as_before(tmp_path: Path) -> None:
+def test_the_same_state_is_written_byte_for_byte_as_before_but_aligned(tmp_path: Path) -> None:
     """4 real ranks save make_v2.py's state with today's code: every data file holds
-    exactly the bytes the fixture's file of the same rank holds, every index lists the
-    same chunks at the same offsets with the same checksums, and the manifest says the
-    same thing but for the save's id and time. The on-disk format did not move."""
+    exactly the bytes of the fixture's file of the same rank (written before issue
+    34), laid out as docs/format.md says a writer lays them out now (data start and
+    chunks 64-byte aligned: :func:`_aligned_layout`); every index lists the same
+    chunks with the same lengths and checksums, at those offsets; and the manifest
+    says the same thing but for the save's id, time and the files' sizes. The
+    on-disk format moved only by that layout, which readers need not know."""
     from tests._dist import run_ranks
 
     out = tmp_path / "now"
@@ -639,13 +668,118 @@ def test_the_same_state_is_written_byte_for_byte_as_before(tmp_path: Path) -> No
 
     old, new = by_rank(V2, ".safetensors"), by_rank(out, ".safetensors")
     assert sorted(old) == sorted(new) == ["r00000", "r00001", "r00002", "r00003"]
-    for r in old:
-        assert new[r] == old[r], f"data file of {r} differs"
     old_idx, new_idx = by_rank(V2, ".index.json"), by_rank(out, ".index.json")
-    for r in old_idx:
-        a, b = json.loads(old_idx[r]), json.loads(new_idx[r])
-        assert a["chunks"] == b["chunks"], r
+    moved = 0
+    for r in old:
+        want, offsets = _aligned_layout(old[r])
+        assert new[r] == want, f"data file of {r} differs"
+        a, b = json.loads(old_idx[r])["chunks"], json.loads(new_idx[r])["chunks"]
+        assert b == {k: [offsets[k], length, crcs] for k, (_, length, crcs) in a.items()}, r
+        moved += sum(a[k][0] != b[k][0] for k in a)
+    assert moved == sum(len(json.loads(old_idx[r])["chunks"]) for r in old)  # the header grew: every chunk moved
     a, b = (mf.Manifest.parse((d / "manifest.json").read_bytes()) for d in (V2, out))
     assert a.version == b.version == 2 and a.world_size == b.world_size
     assert a.tree.containers == b.tree.containers and a.tree.entries == b.tree.entries
-    assert sorted(f["size"] for f in a.files.values()) == sorted(f["size"] for f in b.files.values())
+    assert sorted(f["size"] for f in b.files.values()) == sorted(len(new[r]) for r in new)
+
+
+# --- aligned data files (issue 34): chunks of whole 64-byte lines start at 64-byte offsets ------
+
+_FLAT_CUTS = [0, 112, 224, 330]  # a (10, 33) float32 tensor as ZeRO-style partitions: 448, 448, 424 bytes
+
+
+def _aligned_state(rank: int, world: int) -> dict[str, Any]:
+    """A state whose chunks are of both kinds, in an order that the writer before issue
+    34 would have put almost all of them off a 64-byte boundary: ``odd`` first (4104,
+    4104, 4100 bytes), then chunks of whole 64-byte lines and odd ones mixed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    lo, hi = _FLAT_CUTS[rank], _FLAT_CUTS[rank + 1]
+    return {
+        "odd": distribute_tensor(torch.arange(3077, dtype=torch.float32), mesh, [Shard(0)]),
+        "bias": torch.tensor([0.5, -1.5, 2.5]),  # replicated: written once
+        "w": distribute_tensor(torch.arange(800, dtype=torch.float32).reshape(50, 16), mesh, [Shard(0)]),
+        "step": torch.tensor(0.0),
+        "emb": (torch.arange(768).reshape(96, 8) / 7).to(torch.bfloat16),
+        "flat": FlatShard(torch.arange(330, dtype=torch.float32)[lo:hi].clone(), (10, 33), lo),
+        "c": torch.complex(torch.arange(8.0), -torch.arange(8.0)),  # stored as bytes (U8), 64 of them
+        "rng": shardpoint.PerRank({"seed": torch.arange(5, dtype=torch.uint8) + rank,
+                                   "state": torch.arange(64, dtype=torch.int32) + rank}),
+    }
+
+
+def _save_aligned(rank: int, world: int, root: str) -> None:
+    mgr = shardpoint.CheckpointManager(root, incremental=True)
+    state = _aligned_state(rank, world)
+    mgr.save(state, 0)
+    for t in (state["odd"].to_local(), state["w"].to_local(), state["step"], state["rng"].value["state"]):
+        t.add_(1)  # in place: the second save refers to the chunks that did not change
+    mgr.save(state, 1)
+
+
+@pytest.mark.distributed
+def test_chunks_of_whole_64_byte_lines_start_64_byte_aligned(tmp_path: Path) -> None:
+    """3 real ranks save twice (the second save incremental): in every data file the
+    data starts at a multiple of 64 and so does every chunk whose length is one; the
+    file is a valid safetensors file (``safe_open`` reads each chunk's bytes, data back
+    to back from the header's end to the file's); both checkpoints load exactly."""
+    from safetensors import safe_open
+
+    from tests._dist import run_ranks
+
+    run_ranks(_save_aligned, 3, str(tmp_path), timeout=180)
+    refs = 0
+    for step in range(2):
+        folder = tmp_path / f"step-{step:08d}"
+        files = sorted(folder.glob("*.safetensors"))
+        assert len(files) == 3
+        for f in files:
+            raw = f.read_bytes()
+            (n,) = struct.unpack("<Q", raw[:8])
+            assert (8 + n) % 64 == 0 and raw[8 : 8 + n].rstrip(b" ").endswith(b"}"), f.name
+            index = json.loads(f.with_name(f.name.replace(".safetensors", ".index.json")).read_bytes())["chunks"]
+            here = {k: (v[0], v[1]) for k, v in index.items() if len(v) == 3}
+            refs += len(index) - len(here)
+            spans = sorted(here.values())
+            assert [a for a, _ in spans] == list(itertools.accumulate([8 + n] + [b for _, b in spans[:-1]]))
+            assert sum(b for _, b in spans) == len(raw) - 8 - n  # no gap, nothing after the last chunk
+            with safe_open(str(f), "pt") as st:
+                assert sorted(st.keys()) == sorted(here)
+                for name, (off, length) in here.items():
+                    t = st.get_tensor(name).reshape(-1)
+                    assert bytes(t.view(torch.uint8).numpy()) == raw[off : off + length], (f.name, name)
+            assert {length % 64 == 0 for _, length in spans} == {True, False}, f.name  # both kinds in every file
+            for name, (off, length) in here.items():
+                if length % 64 == 0:
+                    assert off % 64 == 0, f"{f.name}: chunk {name!r} of {length} bytes starts at byte {off}"
+    assert refs >= 10  # the incremental save wrote only what changed
+    for step in range(2):
+        full = shardpoint.load_full(tmp_path / f"step-{step:08d}")
+        assert torch.equal(full["odd"], torch.arange(3077, dtype=torch.float32) + step)
+        assert torch.equal(full["w"], torch.arange(800, dtype=torch.float32).reshape(50, 16) + step)
+        assert torch.equal(full["flat"], torch.arange(330, dtype=torch.float32).reshape(10, 33))
+        assert torch.equal(full["emb"], (torch.arange(768).reshape(96, 8) / 7).to(torch.bfloat16))
+        assert torch.equal(full["c"], torch.complex(torch.arange(8.0), -torch.arange(8.0)))
+        assert torch.equal(full["bias"], torch.tensor([0.5, -1.5, 2.5])) and float(full["step"]) == step
+        for r in range(3):
+            assert torch.equal(full["rng"][r]["seed"], torch.arange(5, dtype=torch.uint8) + r)
+            assert torch.equal(full["rng"][r]["state"], torch.arange(64, dtype=torch.int32) + r + step)
+
+
+def test_what_the_writer_learns_of_a_moved_chunk_stays_with_its_key(tmp_path: Path) -> None:
+    """The writer puts ``b`` (64 bytes) before ``a`` and ``c`` (12 and 20), then ``c``
+    before ``a`` (longest first): the non-finite values it finds while streaming, and
+    each chunk's place in the index, still belong to the right keys."""
+    b = torch.zeros(16)
+    b[3] = math.nan
+    state = {"a": torch.ones(3), "b": b, "c": torch.full((5,), math.inf)}
+    shardpoint.save(state, tmp_path)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["health"]["nonfinite"] == ["b", "c"] and m["health"]["nan"] == ["b"]
+    (index,) = [json.loads(p.read_text())["chunks"] for p in tmp_path.glob("*.index.json")]
+    start = index["b@0"][0]
+    assert start % 64 == 0 and index["c@0"][0] == start + 64 and index["a@0"][0] == start + 84
+    back = shardpoint.load_full(tmp_path)
+    assert all(torch.equal(back[k].nan_to_num(), v.nan_to_num()) for k, v in state.items())

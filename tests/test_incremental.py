@@ -221,6 +221,8 @@ def test_export_is_self_contained_and_cli_shows_bytes(tmp_path: Path, capsys: py
     got = shardpoint.load_full(str(dst))
     assert torch.equal(got["frozen"], frozen) and int(got["step"]) == 2
     assert verify(str(dst)).ok
+    (ix,) = [json.loads(p.read_bytes())["chunks"] for p in dst.glob("*.index.json")]
+    assert ix["frozen@0"][0] % 64 == 0 and ix["step@"][0] == ix["frozen@0"][0] + 400_000  # aligned as a save lays it out
     # ls and info show own and referenced bytes
     mgr = shardpoint.CheckpointManager(root, incremental=True)
     mgr.save({"frozen": frozen}, 0)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 from .errors import CorruptCheckpointError, ShardpointError
 from .format.chunks import ChunkLoc
-from .format.datafile import HeaderEntry, header_bytes, header_length, parse_header
+from .format.datafile import ALIGN, HeaderEntry, file_order, header_bytes, header_length, parse_header
 from .format.index import Located, digest, index_name
 from .format.manifest import MANIFEST_NAME
 from .load.locate import read_index, read_manifest, with_refs
@@ -63,6 +63,7 @@ def _export(src: Storage, dst: Storage, overwrite: bool, advance: Callable[[int]
     for fname, info in sorted(m.files.items()):
         idx = read_index(src, m, fname)
         order = sorted(idx.items(), key=lambda kv: (kv[1].ref or "", kv[1].offset))
+        order = [order[i] for i in file_order([loc.length for _, loc in order])]  # aligned, as a save writes it
         declared: list[tuple[str, str, tuple[int, ...], int]] = []
         for name, loc in order:
             where = loc.ref or fname
@@ -72,7 +73,7 @@ def _export(src: Storage, dst: Storage, overwrite: bool, advance: Callable[[int]
             if h is None:
                 raise CorruptCheckpointError(f"{src.url}: chunk {name!r} is not in the header of {where}")
             declared.append((name, h.dtype, h.shape, loc.length))
-        head = header_bytes(declared)
+        head = header_bytes(declared, align=ALIGN)
         dst.write_file(fname, _counted(_copied(reader, fname, order, m.crc_block, head), advance))
         off = len(head)
         chunks = {}

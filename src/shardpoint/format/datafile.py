@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -169,28 +170,53 @@ def parse_header(data: bytes, file_size: int, where: str) -> dict[str, HeaderEnt
     return out
 
 
-def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]], fmt: str = "shardpoint") -> bytes:
+#: A data file's data starts at a multiple of ``ALIGN`` bytes, and so does every chunk
+#: whose length is one (:func:`file_order`): this machine's kernel copies page-cache
+#: bytes at other offsets about 1.27x slower, both ways (benchmarks/README.md, issue 34).
+ALIGN = 64
+
+
+def file_order(lengths: Sequence[int]) -> list[int]:
+    """The order (positions into ``lengths``, chunk byte lengths) in which a data file
+    holds its chunks: those whose length is a multiple of :data:`ALIGN` first, in the
+    order given, then the others, longest first (ties in the order given). Behind a
+    header that ends at a multiple of :data:`ALIGN` (:func:`data_header`), every chunk
+    of the first kind and the longest of the others start aligned, with no gap
+    between chunks: the file stays a valid safetensors file."""
+    n = np.fromiter(lengths, dtype=np.int64, count=len(lengths))  # array operations: a save may write 10,000s
+    odd = n % ALIGN != 0
+    if not odd.any():
+        return list(range(len(n)))
+    rest = np.flatnonzero(odd)
+    rest = rest[np.argsort(-n[rest], kind="stable")]
+    return np.concatenate([np.flatnonzero(~odd), rest]).tolist()
+
+
+def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]], fmt: str = "shardpoint",
+                 align: int = 8) -> bytes:
     """The first bytes of a safetensors file holding ``tensors`` (name, safetensors dtype
     code, shape, byte length) back to back in that order: the 8-byte length and the
-    JSON header (``__metadata__.format`` = ``fmt``), padded with spaces to a multiple of
-    8 so the data starts aligned, as safetensors writes it."""
+    JSON header (``__metadata__.format`` = ``fmt``), padded with spaces (which
+    safetensors allows at the header's end) so the data starts at a multiple of
+    ``align`` bytes: 8, as safetensors writes it, or a data file's :data:`ALIGN`."""
     header: dict[str, object] = {"__metadata__": {"format": fmt}}
     pos = 0
     for tname, code, shape, n in tensors:
         header[tname] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
     hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
+    hb += b" " * (-(8 + len(hb)) % align)
     return struct.pack("<Q", len(hb)) + hb
 
 
 def data_header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) -> bytes:
     """The safetensors header of a data file holding ``tensors`` (name, dtype, shape,
-    byte length), in order, with no gap (:func:`header_bytes`). A dtype safetensors
-    lacks is written as raw bytes (``U8`` of the byte length); the manifest keeps the
-    real dtype."""
+    byte length), in order, with no gap, its data starting at a multiple of
+    :data:`ALIGN` (:func:`header_bytes`; the caller puts the chunks in
+    :func:`file_order`). A dtype safetensors lacks is written as raw bytes (``U8`` of
+    the byte length); the manifest keeps the real dtype."""
     rows = []
     for tname, dtype, shape, n in tensors:
         code = DTYPES.get(dtype_name(dtype))
         rows.append((tname, code or "U8", list(shape) if code else [n], n))
-    return header_bytes(rows)
+    return header_bytes(rows, align=ALIGN)

@@ -53,7 +53,7 @@ def write(storage: Storage, fname: str, staged: Staged, incremental: Session | N
     if not names and not refs:
         return WriteStatus(None, replica_rows=tuple(replicas), replica_digests=tuple(replicas.values()),
                            nonfinite=tuple(sorted(found)), nan=_nans(found))
-    written, bad = write_data_file(storage, fname, list(zip(names, sources(views, pool()))))
+    written, bad = write_data_file(storage, fname, list(zip(names, views)))
     for i, kind in bad.items():
         _note(found, names[i], kind)
     for row, w in zip(rows, written):
@@ -88,18 +88,36 @@ def chunk_key(name: str) -> str:
     return name.removeprefix("/per_rank/").rsplit("@", 1)[0]
 
 
-def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, Source]]
+def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, torch.Tensor]]
                     ) -> tuple[list[WrittenChunk], dict[int, int]]:
-    """Write ``chunks`` (name, source) as one safetensors file, durable on return;
-    return where each landed, and which of them (by position) hold an infinity or a
-    NaN (:data:`~shardpoint.health.INF`, :data:`~shardpoint.health.NAN`).
+    """Write ``chunks`` (name, tensor) as one safetensors file, durable on return;
+    return where each landed, and which of them hold an infinity or a NaN
+    (:data:`~shardpoint.health.INF`, :data:`~shardpoint.health.NAN`), both by position
+    in ``chunks``.
 
-    The header is made first from shapes alone, then each chunk's bytes stream from
-    its source's pieces (its own memory, or the pool's slots) with no other copy,
-    checksummed block by block as they go; a floating-point chunk's pieces are
-    checked for non-finite values in the same pass, while they are in cache, until
-    the first NaN is found."""
-    lengths = [src.numel() * src.element_size() for _, src in chunks]
+    The file holds the chunks in :func:`~shardpoint.format.datafile.file_order`
+    (those whose length is a multiple of 64 bytes first, so that each starts at a
+    64-byte aligned offset). The header is made first from shapes alone, then each
+    chunk's bytes stream from its memory (a device tensor's through the pool's slots,
+    copied in file order) with no other copy, checksummed block by block as they go;
+    a floating-point chunk's pieces are checked for non-finite values in the same
+    pass, while they are in cache, until the first NaN is found."""
+    lengths = [t.nbytes for _, t in chunks]
+    order = datafile.file_order(lengths)
+    if order == list(range(len(chunks))):  # often: every chunk a multiple of 64 bytes
+        return _write_in_order(storage, name, [c[0] for c in chunks], sources([c[1] for c in chunks], pool()), lengths)
+    placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order],
+                                  sources([chunks[i][1] for i in order], pool()), [lengths[i] for i in order])
+    written = placed[:]
+    for w, i in zip(placed, order):
+        written[i] = w
+    return written, {order[j]: kind for j, kind in bad.items()}
+
+
+def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source], lengths: list[int]
+                    ) -> tuple[list[WrittenChunk], dict[int, int]]:
+    """:func:`write_data_file` of ``srcs`` (of ``lengths`` bytes) in the order given."""
+    chunks = list(zip(names, srcs))
     health = PROCESS.seams.health_check
     bad: dict[int, int] = {}
     header = data_header([(n, src.dtype, tuple(src.shape), length) for (n, src), length in zip(chunks, lengths)])
