@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from tests._dist import run_ranks
 from tests.integrations._frameworks import check_same_world, global_ids, need, rel
@@ -111,3 +112,18 @@ def test_resume_on_one_rank_with_gradient_accumulation(two_ranks) -> None:  # ty
     assert max(rel(a, b) for a, b in zip(steps, base[K:])) < 1e-4, (steps, base[K:])
     ids = [acc["ids"][i] + acc["ids"][i + 1] for i in range(0, len(acc["ids"]), 2)]
     assert global_ids([r["first0"]["ids"] for r in res]) + ids == global_ids([r["base0"]["ids"] for r in res])
+
+
+def test_load_from_checkpoint_reads_a_shardpoint_checkpoint(two_ranks) -> None:  # type: ignore[no-untyped-def]
+    """Lightning's own LightningModule.load_from_checkpoint reads a file; the integration's
+    reads the checkpoint folder the strategy wrote on 2 ranks, in one process."""
+    import shardpoint
+    from shardpoint.integrations.lightning import load_from_checkpoint
+    from tests.integrations import _lightning_worker as w
+
+    tmp, _ = two_ranks
+    path = f"{tmp}/run/last.ckpt"
+    module = load_from_checkpoint(type(w._module(0.0)), path)
+    saved = shardpoint.load_full(path, keys="model")["model"]
+    got = module.state_dict()
+    assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)

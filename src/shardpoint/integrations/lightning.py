@@ -286,6 +286,22 @@ class ShardpointModelParallelStrategy(ShardpointStrategyMixin, ModelParallelStra
         return {}
 
 
+def load_from_checkpoint(module_cls: type[Any], checkpoint_path: str | os.PathLike[str], *, strict: bool = True,
+                         **kwargs: Any) -> Any:
+    """What ``LightningModule.load_from_checkpoint`` does, for a checkpoint a shardpoint
+    strategy saved (Lightning's own reads one file, and raises ``IsADirectoryError`` on a
+    shardpoint checkpoint, which is a folder): a new ``module_cls`` built from the saved
+    hyperparameters (``kwargs`` override them), with the saved weights loaded (full
+    tensors, whatever number of ranks saved them). One process, no process group; for
+    a resume, use ``Trainer.fit(ckpt_path=...)`` with the strategy instead."""
+    path = os.fspath(checkpoint_path)
+    saved = api.load_full(path, keys=["model", "extra/lightning/hyper_parameters"])
+    hparams = dict(((saved.get("extra") or {}).get("lightning") or {}).get("hyper_parameters") or {})
+    module = module_cls(**{**hparams, **kwargs})
+    module.load_state_dict(saved.get("model") or {}, strict=strict)
+    return module
+
+
 class _ElasticLoader(Protocol):
     """A DataLoader whose ``batch_sampler`` is an ElasticBatchSampler."""
 
