@@ -18,12 +18,17 @@ from .errors import (  # noqa: E402
     CheckpointNotFoundError,
     CollectiveMismatchError,
     CorruptCheckpointError,
+    FencedError,
     KeyMismatchError,
     ShardpointError,
+    UsageError,
 )
 from .manager import CheckpointInfo, CheckpointManager  # noqa: E402
 from .report import LoadReport  # noqa: E402
+from .saving.handle import SaveHandle  # noqa: E402
 from .state import TrainState  # noqa: E402
+from .storage import Storage  # noqa: E402
+from .tiers import MemoryTier  # noqa: E402
 from .tree import PerRank  # noqa: E402
 
 __all__ = [
@@ -35,10 +40,15 @@ __all__ = [
     "TrainState",
     "CheckpointManager",
     "CheckpointInfo",
+    "MemoryTier",
     "LoadReport",
+    "SaveHandle",
+    "Storage",
     "ShardpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "KeyMismatchError",
     "CollectiveMismatchError",
+    "FencedError",
+    "UsageError",
 ]
