@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import functools
 import logging
 import os
 import signal
@@ -16,7 +17,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .api import DEFAULT_TIMEOUT, PathLike, load
-from .collective import Comm, seconds
+from .collective import Comm, agree, seconds
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
 from .format.manifest import MANIFEST_NAME
 from .format.pointer import LATEST, STEP_FOLDER, Pointer
@@ -566,7 +567,35 @@ class CheckpointManager:
     def _restore_durable(self, state: object, step: int | None, *, only: builtins.list[str] | str | None,
                          exclude: builtins.list[str] | str | None, strict: bool, fallback: bool,
                          accept: Callable[[CheckpointInfo], bool] | None) -> LoadReport | None:
-        """:meth:`restore` from the root (without a memory tier, or as its ladder's last rung)."""
+        """:meth:`restore` from the root (without a memory tier, or as its ladder's last
+        rung). Rank 0 chooses the step and every rank loads that one: ranks that read
+        ``latest`` a moment apart (an older attempt still committing) could choose two."""
+        comm = Comm(self.process_group, self.timeout)
+        comm.arrive("restore", self.root)
+        chosen, passed = self._agreed(comm, lambda: self._choose(step, fallback, accept))
+        if chosen is None:
+            return None
+        while True:
+            try:
+                report = load(state, self.storage.child(self.step_dir(chosen)), only=only, exclude=exclude,
+                              strict=strict, process_group=self.process_group, timeout=self.timeout)
+                break
+            except CorruptCheckpointError as e:  # its data is missing or damaged (every rank raises alike)
+                if not fallback or step is not None:
+                    raise
+                again, more = self._agreed(comm, functools.partial(self._before_damaged, chosen, e, accept))
+                assert again is not None  # _before_damaged raises when there is none
+                chosen = again
+                passed.update(more)
+        report.step = chosen
+        report.passed_over = passed
+        self._restored = chosen
+        return report
+
+    def _choose(self, step: int | None, fallback: bool,
+                accept: Callable[[CheckpointInfo], bool] | None) -> tuple[int | None, dict[int, str]]:
+        """Rank 0: the step a durable restore loads (None: nothing to restore), and the
+        steps passed over with why (warned)."""
         if step is None:
             try:
                 info = self._resume_point()
@@ -575,35 +604,39 @@ class CheckpointManager:
                     raise
                 info = self._fallback(e)
             if info is None:
-                return None
+                return None, {}
             info, passed = self._healthy_from(info, accept)
-        else:
-            info = self._info(self.step_dir(step))
-            if info is None:
+            return info.step, passed
+        info = self._info(self.step_dir(step))
+        if info is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for step {step} under {self.root}; committed steps: {self.all_steps()}")
+        if info.damaged:
+            raise CorruptCheckpointError(f"step {step} is damaged: {info.damaged}")
+        why = _unhealthy(info, None)
+        if why:
+            warnings.warn(f"shardpoint: restoring step {step} as asked, although it holds {why}", stacklevel=2)
+        return step, {}
 
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint for step {step} under {self.root}; committed steps: {[i.step for i in self.list()]}"
-                )
-            if info.damaged:
-                raise CorruptCheckpointError(f"step {step} is damaged: {info.damaged}")
-            passed = {}
-            why = _unhealthy(info, None)
-            if why:
-                warnings.warn(f"shardpoint: restoring step {step} as asked, although it holds {why}", stacklevel=2)
-        while True:
-            try:
-                report = load(state, self.storage.child(self.step_dir(info.step)), only=only, exclude=exclude,
-                              strict=strict, process_group=self.process_group, timeout=self.timeout)
-                break
-            except CorruptCheckpointError as e:  # its data is missing or damaged (every rank raises alike)
-                if not fallback or step is not None:
-                    raise
-                info, more = self._before_damaged(info, e, accept)
-                passed.update(more)
-        report.step = info.step
-        report.passed_over = passed
-        self._restored = info.step
-        return report
+    def _agreed(self, comm: Comm, decide: Callable[[], tuple[int | None, dict[int, str]]]
+                ) -> tuple[int | None, dict[int, str]]:
+        """Rank 0's ``decide()`` on every rank (collective), with the warnings it gave
+        given on every rank too; its error is raised on every rank."""
+        payload: object = None
+        error: BaseException | None = None
+        if comm.rank == 0:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                try:
+                    at, passed = decide()
+                    payload = {"step": at, "passed": {str(k): v for k, v in passed.items()},
+                               "warned": [str(w.message) for w in said]}
+                except Exception as e:  # noqa: BLE001 - raised on every rank by agree
+                    error = e
+        got = agree(comm, payload, error, lambda everyone: everyone[0])
+        for message in got["warned"]:
+            warnings.warn(message, stacklevel=4)
+        return got["step"], {int(k): v for k, v in got["passed"].items()}
 
     def _restored_event(self, report: LoadReport, wall: float) -> None:
         """After a restore: its stats (with the step and tier) on the report, one INFO
@@ -650,20 +683,20 @@ class CheckpointManager:
                 "restore(state, step=N), or start from scratch")
         return info, passed
 
-    def _before_damaged(self, bad: CheckpointInfo, error: CorruptCheckpointError,
-                        accept: Callable[[CheckpointInfo], bool] | None) -> tuple[CheckpointInfo, dict[int, str]]:
-        """``restore(fallback=True)`` after loading ``bad`` failed on missing or damaged
-        data: the newest fit checkpoint before it (warned about, naming both), and the
-        steps passed over on the way. What the failed load had filled in is overwritten
-        by this one for every key both hold."""
-        older = [i for i in self.list() if i.step < bad.step and i.damaged is None]
+    def _before_damaged(self, bad: int, error: CorruptCheckpointError,
+                        accept: Callable[[CheckpointInfo], bool] | None) -> tuple[int, dict[int, str]]:
+        """Rank 0, ``restore(fallback=True)`` after loading step ``bad`` failed on missing
+        or damaged data: the newest fit step before it (warned about, naming both), and
+        the steps passed over on the way. What the failed load had filled in is
+        overwritten by this one for every key both hold."""
+        older = [i for i in self.list() if i.step < bad and i.damaged is None]
         if not older:
-            raise CorruptCheckpointError(f"{error}; no sound checkpoint before step {bad.step} to fall back to under "
+            raise CorruptCheckpointError(f"{error}; no sound checkpoint before step {bad} to fall back to under "
                                          f"{self.root}") from error
-        warnings.warn(f"shardpoint: step {bad.step} under {self.root} cannot be loaded ({error}); falling back to the "
+        warnings.warn(f"shardpoint: step {bad} under {self.root} cannot be loaded ({error}); falling back to the "
                       "checkpoint before it", stacklevel=3)
         info, passed = self._healthy_from(older[-1], accept)
-        return info, {bad.step: f"missing or damaged data: {error}", **passed}
+        return info.step, {bad: f"missing or damaged data: {error}", **passed}
 
     def _fallback(self, error: CorruptCheckpointError) -> CheckpointInfo:
         """The newest sound checkpoint older than the damaged one to resume from

@@ -246,6 +246,8 @@ def test_two_attempts_alive_at_once(where: str, tmp_path: Path, request: pytest.
         assert fenced, f"attempt A was never fenced: {saves}"
         assert all(_fenced(o) for o in saves[fenced[0]:]), saves  # once fenced, always fenced
         assert [o.split(":")[0] for o in out_a[r]] == [o.split(":")[0] for o in out_a[0]], out_a  # alike on every rank
+    # nothing A wrote stays: every file under the root belongs to a committed checkpoint, latest or owners/
+    assert set(st.list()) <= _referenced(st), set(st.list()) - _referenced(st)
     held = _check_root(st, 50)
     assert held[48] == 48 * 10.0 + B and held[50] == 50 * 10.0 + B, held
     assert all(v == s * 10.0 + (B if s >= 42 else A) for s, v in held.items()), held
