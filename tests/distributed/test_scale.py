@@ -112,3 +112,37 @@ def test_load_coordination_is_flat_from_2_to_8_ranks(tmp_path: Path) -> None:
     others = {w: max(res[1:]) for w, res in got.items()}
     assert max(others.values()) <= 1.1 * min(others.values()), others
     assert got[8][0] > got[2][0], got  # the coordinator's share is what grows
+
+
+def _memory_restore_once(rank: int, world: int, root: str) -> tuple[int | None, str, int]:
+    """Bytes this rank receives through the checkpoint group's collectives in one restore
+    from the memory tier, in a fresh manager (its hosts found, inventories, the plan, the load)."""
+    import shardpoint
+    from shardpoint.layout import FlatShard
+    from shardpoint.runtime import PROCESS
+    from shardpoint.tiers import MemoryTier
+
+    n = 1000
+    state = {"w": FlatShard(torch.arange(n, dtype=torch.float32) + rank * n, (n * world,), rank * n), "step": 1}
+    tier = MemoryTier(every=1, durable_every=100, path=f"{root}/shm{world}")
+    mgr = shardpoint.CheckpointManager(f"{root}/root{world}", memory=tier)
+    mgr.save(state, 1)
+    mgr.close()
+    again = shardpoint.CheckpointManager(f"{root}/root{world}", memory=tier)
+    PROCESS.seams.traffic.reset()
+    report = again.restore(state)
+    got = PROCESS.seams.traffic.received
+    again.close()
+    assert report is not None
+    return report.step, getattr(report, "tier", ""), got
+
+
+@pytest.mark.timeout(900)
+def test_memory_restore_coordination_is_flat_from_2_to_8_ranks(tmp_path: Path) -> None:
+    """A restore from the memory tier: each host's first rank reports its inventory to
+    rank 0, which answers with the plan; the hosts' grouping travels as runs, not per
+    rank. A non-coordinator rank receives the same bytes at 2, 4 and 8 ranks."""
+    got = {w: run_ranks(_memory_restore_once, w, str(tmp_path), timeout=600) for w in (2, 4, 8)}
+    assert all(step == 1 and tier == "memory" for res in got.values() for step, tier, _ in res), got
+    others = {w: max(b for _, _, b in res[1:]) for w, res in got.items()}
+    assert max(others.values()) <= 1.1 * min(others.values()), others

@@ -143,3 +143,14 @@ def test_transfers_rename_whole_files_only(tmp_path: Path) -> None:
     assert receiver[-1:] == ["big"] and all("sender could not read it" in p for p in receiver[:-1])
     src, dst = Path(base, "host0", "big").read_bytes(), Path(base, "host1", "replicas", "big").read_bytes()
     assert src == dst and os.stat(Path(base, "host1", "replicas", "big")).st_mode & 0o077 == 0
+
+
+def test_hosts_travel_as_runs() -> None:
+    """The grouping every rank needs is sent as runs of ranks per host: its size grows with
+    the hosts, not the ranks, and it comes back as it was, consecutive or not."""
+    from shardpoint.tiers.hosts import Hosts
+
+    for names in (["a"] * 8, ["a", "a", "b", "b", "c", "c"], ["a", "b", "a", "b"], [f"h{i // 8}" for i in range(8192)]):
+        h = Hosts.of(names)
+        assert Hosts.from_wire(h.wire()) == h
+    assert len(Hosts.of([f"h{i // 8}" for i in range(8192)]).wire()["runs"]) == 1024

@@ -49,6 +49,24 @@ class Hosts:
         index = {n: h for h, n in enumerate(order)}
         return Hosts(tuple(order), tuple(tuple(by[n]) for n in order), tuple(index[n] for n in hostnames))
 
+    def wire(self) -> dict[str, Any]:
+        """JSON of the hosts, its size in the number of hosts (not ranks): each rank's
+        host as runs of ``[host, count]`` (ranks of one host are usually consecutive)."""
+        runs: list[list[int]] = []
+        for h in self.of_rank:
+            if runs and runs[-1][0] == h:
+                runs[-1][1] += 1
+            else:
+                runs.append([h, 1])
+        return {"names": list(self.names), "runs": runs}
+
+    @staticmethod
+    def from_wire(d: Mapping[str, Any]) -> Hosts:
+        """Back from :meth:`wire`."""
+        of_rank = tuple(int(h) for h, n in d["runs"] for _ in range(int(n)))
+        names = tuple(str(n) for n in d["names"])
+        return Hosts(names, tuple(tuple(r for r, x in enumerate(of_rank) if x == h) for h in range(len(names))), of_rank)
+
     def __len__(self) -> int:
         return len(self.names)
 

@@ -151,7 +151,9 @@ class Tiers:
                 self._create(comm)
             return self.hosts
         comm.arrive("tiers-open", self._name)
-        hosts = Hosts.of(comm.all_gather_json(socket.gethostname()))
+        # rank 0 groups the ranks by host and sends every rank the grouping (its size in hosts, not ranks)
+        names = comm.gather_json(socket.gethostname())
+        hosts = Hosts.from_wire(comm.broadcast_json(Hosts.of(names).wire() if names is not None else None))
         self.replicas = min(self.tier.replicas, len(hosts) - 1)
         if self.replicas < self.tier.replicas and comm.rank == 0:
             warnings.warn(f"shardpoint: MemoryTier(replicas={self.tier.replicas}) on {len(hosts)} host(s) "
@@ -358,14 +360,20 @@ class Tiers:
             if self._part is None:
                 self._part = self.drainer.wait() if wait else self.drainer.poll()
             mine = {"done": self._part is not None, "error": self._part.error if self._part is not None else None}
-        everyone = comm.all_gather_json(mine)
-        if not all(e["done"] for e in everyone):
+        hosts = self.hosts
+
+        def merge(everyone: list[Any]) -> dict[str, Any]:
+            return {"done": all(e["done"] for e in everyone),
+                    "errors": [f"host {hosts.names[hosts.of_rank[r]]}: {e['error']}" for r, e in enumerate(everyone)
+                               if e["error"]]}
+
+        verdict = agree(comm, mine, None, merge)  # every host's part, to rank 0, and one answer back
+        if not verdict["done"]:
             return
         self._pending, self._part = None, None
         if comm.rank != 0:
             return
-        errors = [f"host {self.hosts.names[self.hosts.of_rank[r]]}: {e['error']}" for r, e in enumerate(everyone)
-                  if e["error"]]
+        errors = verdict["errors"]
         if errors:
             self.failed[p.step] = "; ".join(errors)
             warnings.warn(f"shardpoint: step {p.step} was not made durable under {self.root}: {'; '.join(errors)}. "
