@@ -1,0 +1,105 @@
+"""One writer for each replicated chunk: largest first onto the least-loaded holder,
+ties to the lowest rank (the longest-processing-time rule).
+
+The rule is sequential: each choice sees the loads the earlier ones left. But a choice
+reads only the loads of its own holders, so consecutive groups whose holders do not
+overlap (the 128 shards of an HSDP tensor, each replicated over its own ranks) are
+chosen together in a few array calls; groups of no bytes change no load and are all
+chosen together at the end. The choices are exactly the sequential rule's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Holders below which a batch is chosen in Python (an array call costs as much as ~300 of them).
+_SMALL_BATCH = 256
+
+
+def choose(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Choose each group's writer, largest group first.
+
+    Args:
+        load: (world,) int64 bytes each rank writes already; the chosen bytes are added
+            in place.
+        holders: the ranks holding each group, group after group (in row order within
+            a group: the first of two equal holders is the one chosen).
+        starts: (groups + 1,) where each group's holders begin in ``holders``.
+        nbytes: (groups,) bytes of each group; ties are taken in group order.
+
+    Returns:
+        (groups,) int64: the position in ``holders`` of each group's writer.
+    """
+    chosen = np.zeros(len(nbytes), dtype=np.int64)
+    order = np.argsort(-nbytes, kind="stable")
+    heavy = order[nbytes[order] > 0]
+    for batch in _disjoint_runs(heavy, holders, starts, len(load)):
+        _choose_batch(load, holders, starts, nbytes, batch, chosen)
+    _choose_batch(load, holders, starts, nbytes, order[nbytes[order] <= 0], chosen)  # no load changes
+    return chosen
+
+
+def ranges(lo: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges ``[lo[i], lo[i] + lens[i])`` one after another, and where each
+    begins among them ((len(lo) + 1,))."""
+    first = np.zeros(len(lo) + 1, dtype=np.int64)
+    np.cumsum(lens, out=first[1:])
+    return np.repeat(lo - first[:-1], lens) + np.arange(int(first[-1]), dtype=np.int64), first
+
+
+def _entries(groups: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions in ``holders`` of ``groups``' holders, group after group, and
+    where each group's begin among them."""
+    return ranges(starts[groups], starts[groups + 1] - starts[groups])
+
+
+def _disjoint_runs(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, world: int) -> list[np.ndarray]:
+    """``groups`` (in the order they are chosen) cut into maximal runs in which no two
+    groups share a holder. A group starts a new run when one of its holders was seen
+    since the current run began (its latest earlier appearance, found by a stable sort
+    of the holders by rank)."""
+    if not groups.size:
+        return []
+    idx, first = _entries(groups, starts)
+    q = holders[idx].astype(np.int16 if world <= 1 << 15 else np.int64)  # 16 bits: a radix sort
+    pos = np.repeat(np.arange(len(groups), dtype=np.int64), np.diff(first))
+    by_rank = np.argsort(q, kind="stable")  # by rank, then by position in the order
+    qs, ps = q[by_rank], pos[by_rank]
+    prev_sorted = np.full(len(qs), -1, dtype=np.int64)
+    again = (qs[1:] == qs[:-1]) & (ps[1:] != ps[:-1])  # the same rank in an earlier group
+    prev_sorted[1:][again] = ps[:-1][again]
+    prev = np.empty_like(prev_sorted)
+    prev[by_rank] = prev_sorted
+    last_seen = np.maximum.reduceat(prev, first[:-1]).tolist()
+    cuts, run = [0], 0
+    for p in range(1, len(groups)):
+        if last_seen[p] >= run:
+            run = p
+            cuts.append(p)
+    cuts.append(len(groups))
+    return [groups[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _choose_batch(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nbytes: np.ndarray,
+                  groups: np.ndarray, chosen: np.ndarray) -> None:
+    """Choose the writers of ``groups``, which share no holder (or carry no bytes):
+    each takes its least-loaded holder as the loads stand, then adds its bytes."""
+    if not groups.size:
+        return
+    idx, first = _entries(groups, starts)
+    if len(idx) < _SMALL_BATCH:
+        for g in groups.tolist():
+            a, b = int(starts[g]), int(starts[g + 1])
+            ranks = holders[a:b].tolist()
+            r = min(ranks, key=lambda q: (int(load[q]), q))
+            chosen[g] = a + ranks.index(r)
+            load[r] += nbytes[g]
+        return
+    q = holders[idx]
+    v = load[q]
+    lens = np.diff(first)
+    least = np.repeat(np.minimum.reduceat(v, first[:-1]), lens)
+    r = np.minimum.reduceat(np.where(v == least, q, np.iinfo(np.int64).max), first[:-1])
+    hit = np.where(q == np.repeat(r, lens), np.arange(len(q)), len(q))
+    chosen[groups] = idx[np.minimum.reduceat(hit, first[:-1])]
+    load[r] += nbytes[groups]  # each rank at most once (holders disjoint), or adding 0

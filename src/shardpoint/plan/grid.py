@@ -1,0 +1,83 @@
+"""Chunk tables that are a grid of ranks by keys, and the few layouts their keys share.
+
+At scale every rank of a job holds one piece of every tensor and lists its tensors
+in the same order, and the tensors fall into a handful of layouts: two (4096, 4096)
+weights sharded alike have their pieces at the same offsets on every rank. 8,192
+ranks x 2,000 tensors is 16 million rows but a dozen distinct columns. Planning each
+distinct column (a *pattern*) once and spreading the result over the keys that share
+it costs a few passes over the rows instead of sorting them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .save import ChunkTable
+
+#: Most values one block of the exact pattern check compares at once (bounds its temporaries).
+_BLOCK = 1 << 22
+
+
+@dataclass(slots=True)
+class Grid:
+    """A chunk table whose row ``r * L + j`` is rank ``r``'s chunk of key ``keys[j]``,
+    every key once on every rank, and the pattern of each column."""
+
+    keys: np.ndarray  # (L,) the key of each column
+    pattern: np.ndarray  # (L,) the pattern of each column, 0..P-1
+    rep_col: np.ndarray  # (P,) the column of each pattern's lowest key (its representative)
+
+
+def find_grid(t: ChunkTable, shapes: np.ndarray, world: int) -> Grid | None:
+    """The grid of ``t`` when it is one (every key of ``shapes`` on every rank, in one
+    order), with its patterns: columns of equal global shape whose boxes are equal on
+    every rank. None when the table is no such grid."""
+    n, nkeys = len(t), shapes.shape[0]
+    if world < 1 or n == 0 or n != world * nkeys:
+        return None
+    keys = t.key[:nkeys]
+    if not np.array_equal(np.sort(keys), np.arange(nkeys)):
+        return None
+    if not ((t.key.reshape(world, nkeys) == keys).all() and (t.itemsize.reshape(world, nkeys) == t.itemsize[:nkeys]).all()
+            and (t.rank.reshape(world, nkeys) == np.arange(world)[:, None]).all()):
+        return None
+    dims = t.offsets.shape[1]
+    off, size = t.offsets.reshape(world, nkeys, dims), t.sizes.reshape(world, nkeys, dims)
+    pattern, rep_col = _patterns(off, size, shapes[keys], keys)
+    if not (_same_columns(off, rep_col[pattern]) and _same_columns(size, rep_col[pattern])):
+        return None  # two columns' fingerprints agree but their boxes differ: plan row by row
+    return Grid(keys=keys, pattern=pattern, rep_col=rep_col)
+
+
+def _patterns(off: np.ndarray, size: np.ndarray, shapes: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Number the columns by their global shape and a fingerprint of their boxes (a
+    random linear combination over the ranks, modulo 2**64); returns each column's
+    pattern and each pattern's representative column (that of its lowest key).
+    Equal columns always share a pattern; :func:`_same_columns` checks the converse."""
+    world, _, dims = off.shape
+    weights = np.random.default_rng(0x5EED).integers(1, 1 << 62, size=(2, world, dims), dtype=np.int64)
+    ident = np.column_stack([shapes, np.einsum("rjd,rd->j", off, weights[0]), np.einsum("rjd,rd->j", size, weights[1])])
+    _, pattern = np.unique(ident, axis=0, return_inverse=True)
+    pattern = pattern.reshape(-1).astype(np.int64)
+    lowest = np.full(int(pattern.max()) + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(lowest, pattern, keys)
+    col_of_key = np.empty(len(keys), dtype=np.int64)
+    col_of_key[keys] = np.arange(len(keys))
+    return pattern, col_of_key[lowest]
+
+
+def _same_columns(a: np.ndarray, source: np.ndarray) -> bool:
+    """Whether column ``j`` of ``a`` (world, L, D) equals column ``source[j]`` on every
+    rank; a block of ranks at a time, so the copy stays small."""
+    step = max(1, _BLOCK // max(1, a.shape[1] * a.shape[2]))
+    return all(np.array_equal(a[r : r + step], a[r : r + step, source]) for r in range(0, a.shape[0], step))
+
+
+def spread(per_pattern: np.ndarray, grid: Grid) -> np.ndarray:
+    """A (world, P) array of per-pattern values as the (world * L,) column of the table:
+    row ``r * L + j`` gets ``per_pattern[r, pattern[j]]``."""
+    return np.take(per_pattern, grid.pattern, axis=1).reshape(-1)
