@@ -228,25 +228,41 @@ def test_a_grid_with_no_pattern_shared_and_a_scalar() -> None:
 @SETTINGS
 @given(st.data())
 def test_batched_choice_is_the_sequential_rule(data) -> None:  # type: ignore[no-untyped-def]
-    """Groups with overlapping, disjoint and repeated holders, ties and empty groups:
-    batches of disjoint groups choose what one group at a time chooses."""
+    """Groups with overlapping, disjoint, shared and repeated holders, ties and empty
+    groups: batches of disjoint groups choose what one group at a time chooses."""
     world = data.draw(st.integers(1, 6))
-    groups = data.draw(st.lists(st.lists(st.integers(0, world - 1), min_size=1, max_size=5), max_size=14))
-    nbytes = data.draw(st.lists(st.sampled_from([0, 1, 2, 5, 8]), min_size=len(groups), max_size=len(groups)))
+    disjoint = data.draw(st.booleans())  # holder lists that partition the ranks (HSDP's replica sets)
+    if disjoint:
+        perm = data.draw(st.permutations(range(world)))
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, world - 1)), max_size=3))) | {0, world})
+        lists = [list(perm[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    else:
+        lists = data.draw(st.lists(st.lists(st.integers(0, world - 1), min_size=1, max_size=5), min_size=1, max_size=8))
+    sets = data.draw(st.lists(st.integers(0, len(lists) - 1), max_size=14))  # each group's holder list
+    nbytes = data.draw(st.lists(st.sampled_from([0, 1, 2, 5, 8]), min_size=len(sets), max_size=len(sets)))
     start = data.draw(st.lists(st.integers(0, 9), min_size=world, max_size=world))
     load, want = list(start), []
-    for g in sorted(range(len(groups)), key=lambda g: -nbytes[g]):
-        r = min(groups[g], key=lambda q: (load[q], q))
-        want.append((g, groups[g].index(r)))
+    for g in sorted(range(len(sets)), key=lambda g: -nbytes[g]):
+        holders = lists[sets[g]]
+        r = min(holders, key=lambda q: (load[q], q))
+        want.append((g, holders.index(r)))
         load[r] += nbytes[g]
-    starts = np.concatenate([[0], np.cumsum([len(h) for h in groups])]).astype(np.int64)
-    holders = np.array([q for h in groups for q in h], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(h) for h in lists])]).astype(np.int64)
+    flat = np.array([q for h in lists for q in h], dtype=np.int64)
     for small in (balance._SMALL_BATCH, 0):
-        got_load = np.array(start, dtype=np.int64)
-        with patched(balance, "_SMALL_BATCH", small):
-            pick = balance.choose(got_load, holders, starts, np.array(nbytes, dtype=np.int64))
-        assert sorted((g, int(pick[g] - starts[g])) for g in range(len(groups))) == sorted(want)
-        assert got_load.tolist() == load
+        for shared in (True, False):  # one list per group, or the lists named by ``sets``
+            got_load = np.array(start, dtype=np.int64)
+            if shared:
+                holders, at, group_sets = flat, starts, np.array(sets, dtype=np.int64)
+            else:
+                holders = np.array([q for g in sets for q in lists[g]], dtype=np.int64)
+                at = np.concatenate([[0], np.cumsum([len(lists[g]) for g in sets])]).astype(np.int64)
+                group_sets = None
+            with patched(balance, "_SMALL_BATCH", small):
+                pick = balance.choose(got_load, holders, at, np.array(nbytes, dtype=np.int64), group_sets)
+            first = at[group_sets] if shared else at[:-1]
+            assert sorted((g, int(pick[g] - first[g])) for g in range(len(sets))) == sorted(want)
+            assert got_load.tolist() == load
 
 
 # --- through the coordinator ------------------------------------------------------------------------

@@ -16,26 +16,30 @@ import numpy as np
 _SMALL_BATCH = 256
 
 
-def choose(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+def choose(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nbytes: np.ndarray,
+           sets: np.ndarray | None = None) -> np.ndarray:
     """Choose each group's writer, largest group first.
 
     Args:
         load: (world,) int64 bytes each rank writes already; the chosen bytes are added
             in place.
-        holders: the ranks holding each group, group after group (in row order within
-            a group: the first of two equal holders is the one chosen).
-        starts: (groups + 1,) where each group's holders begin in ``holders``.
+        holders: the ranks of each holder list, list after list (in row order within a
+            list: the first of two equal holders is the one chosen).
+        starts: where each list begins in ``holders``, and its end.
         nbytes: (groups,) bytes of each group; ties are taken in group order.
+        sets: (groups,) the holder list of each group (groups that share one name it
+            once: the keys of one pattern of a grid); by default list ``g`` is group ``g``'s.
 
     Returns:
         (groups,) int64: the position in ``holders`` of each group's writer.
     """
+    sets = np.arange(len(nbytes), dtype=np.int64) if sets is None else sets
     chosen = np.zeros(len(nbytes), dtype=np.int64)
     order = np.argsort(-nbytes, kind="stable")
     heavy = order[nbytes[order] > 0]
-    for batch in _disjoint_runs(heavy, holders, starts, len(load)):
-        _choose_batch(load, holders, starts, nbytes, batch, chosen)
-    _choose_batch(load, holders, starts, nbytes, order[nbytes[order] <= 0], chosen)  # no load changes
+    for batch in _disjoint_runs(heavy, holders, starts, sets, len(load)):
+        _choose_batch(load, holders, starts, nbytes, sets, batch, chosen)
+    _choose_batch(load, holders, starts, nbytes, sets, order[nbytes[order] <= 0], chosen)  # no load changes
     return chosen
 
 
@@ -47,30 +51,20 @@ def ranges(lo: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(lo - first[:-1], lens) + np.arange(int(first[-1]), dtype=np.int64), first
 
 
-def _entries(groups: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The positions in ``holders`` of ``groups``' holders, group after group, and
-    where each group's begin among them."""
-    return ranges(starts[groups], starts[groups + 1] - starts[groups])
+def _entries(lists: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions in ``holders`` of the holders of ``lists``, list after list, and
+    where each list's begin among them."""
+    return ranges(starts[lists], starts[lists + 1] - starts[lists])
 
 
-def _disjoint_runs(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, world: int) -> list[np.ndarray]:
+def _disjoint_runs(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, sets: np.ndarray,
+                   world: int) -> list[np.ndarray]:
     """``groups`` (in the order they are chosen) cut into maximal runs in which no two
-    groups share a holder. A group starts a new run when one of its holders was seen
-    since the current run began (its latest earlier appearance, found by a stable sort
-    of the holders by rank)."""
+    groups share a holder: a group starts a new run when one of its holders appeared
+    since the current run began."""
     if not groups.size:
         return []
-    idx, first = _entries(groups, starts)
-    q = holders[idx].astype(np.int16 if world <= 1 << 15 else np.int64)  # 16 bits: a radix sort
-    pos = np.repeat(np.arange(len(groups), dtype=np.int64), np.diff(first))
-    by_rank = np.argsort(q, kind="stable")  # by rank, then by position in the order
-    qs, ps = q[by_rank], pos[by_rank]
-    prev_sorted = np.full(len(qs), -1, dtype=np.int64)
-    again = (qs[1:] == qs[:-1]) & (ps[1:] != ps[:-1])  # the same rank in an earlier group
-    prev_sorted[1:][again] = ps[:-1][again]
-    prev = np.empty_like(prev_sorted)
-    prev[by_rank] = prev_sorted
-    last_seen = np.maximum.reduceat(prev, first[:-1]).tolist()
+    last_seen = _last_seen(groups, holders, starts, sets, world).tolist()
     cuts, run = [0], 0
     for p in range(1, len(groups)):
         if last_seen[p] >= run:
@@ -80,16 +74,42 @@ def _disjoint_runs(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, 
     return [groups[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def _choose_batch(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nbytes: np.ndarray,
+def _last_seen(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, sets: np.ndarray,
+               world: int) -> np.ndarray:
+    """For each of ``groups`` (in order), the latest earlier position in the order of a
+    group that shares a holder with it (-1: none). When the holder lists in use are
+    disjoint (a partition of ranks: HSDP's replica sets, the ranks of a pipeline stage),
+    groups share a holder exactly when they share a list: one stable sort of the list
+    ids. Otherwise one stable sort of every holder by rank."""
+    used = np.unique(sets[groups])
+    idx, _ = _entries(used, starts)
+    if np.bincount(holders[idx], minlength=world).max(initial=0) <= 1:
+        q, pos, first = sets[groups], np.arange(len(groups), dtype=np.int64), np.arange(len(groups) + 1)
+    else:
+        idx, first = _entries(sets[groups], starts)
+        q = holders[idx]
+        pos = np.repeat(np.arange(len(groups), dtype=np.int64), np.diff(first))
+    q = q.astype(np.int16 if int(q.max(initial=0)) < 1 << 15 else np.int64)  # 16 bits: a radix sort
+    by_q = np.argsort(q, kind="stable")  # by holder (or list), then by position in the order
+    qs, ps = q[by_q], pos[by_q]
+    prev_sorted = np.full(len(qs), -1, dtype=np.int64)
+    again = (qs[1:] == qs[:-1]) & (ps[1:] != ps[:-1])  # the same holder in an earlier group
+    prev_sorted[1:][again] = ps[:-1][again]
+    prev = np.empty_like(prev_sorted)
+    prev[by_q] = prev_sorted
+    return np.maximum.reduceat(prev, first[:-1]) if len(prev) else prev
+
+
+def _choose_batch(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, sets: np.ndarray,
                   groups: np.ndarray, chosen: np.ndarray) -> None:
     """Choose the writers of ``groups``, which share no holder (or carry no bytes):
     each takes its least-loaded holder as the loads stand, then adds its bytes."""
     if not groups.size:
         return
-    idx, first = _entries(groups, starts)
+    idx, first = _entries(sets[groups], starts)
     if len(idx) < _SMALL_BATCH:
         for g in groups.tolist():
-            a, b = int(starts[g]), int(starts[g + 1])
+            a, b = int(starts[sets[g]]), int(starts[sets[g] + 1])
             ranks = holders[a:b].tolist()
             r = min(ranks, key=lambda q: (int(load[q]), q))
             chosen[g] = a + ranks.index(r)

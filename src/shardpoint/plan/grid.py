@@ -62,7 +62,8 @@ def _patterns(off: np.ndarray, size: np.ndarray, shapes: np.ndarray, keys: np.nd
     world, ncols, _ = off.shape
     sample = np.unique(np.linspace(0, world - 1, min(world, _SAMPLE_RANKS)).round().astype(np.int64))
     ident = np.concatenate([shapes] + [a[sample].transpose(1, 0, 2).reshape(ncols, -1) for a in (off, size)], axis=1)
-    pattern = np.unique(ident, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    seen: dict[bytes, int] = {}
+    pattern = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in ident], dtype=np.int64)
     rep_col = _lowest(pattern, keys)
     same = _same_columns(off, rep_col[pattern]) & _same_columns(size, rep_col[pattern])
     if not same.all():
@@ -83,11 +84,11 @@ def _lowest(pattern: np.ndarray, keys: np.ndarray) -> np.ndarray:
 def _same_columns(a: np.ndarray, source: np.ndarray) -> np.ndarray:
     """Whether column ``j`` of ``a`` (world, L, D) equals column ``source[j]`` on every
     rank; a block of ranks at a time (``take``: fancy indexing is several times slower)."""
-    same = np.ones(a.shape[1], dtype=bool)
+    same = np.ones(a.shape[1] * a.shape[2], dtype=bool)
     for r in range(0, a.shape[0], _BLOCK_RANKS):
         b = a[r : r + _BLOCK_RANKS]
-        same &= (b == np.take(b, source, axis=1)).all(axis=(0, 2))
-    return same
+        same &= (b == np.take(b, source, axis=1)).reshape(len(b), -1).all(axis=0)
+    return np.asarray(same.reshape(a.shape[1], a.shape[2]).all(axis=1))
 
 
 def spread(per_pattern: np.ndarray, grid: Grid) -> np.ndarray:

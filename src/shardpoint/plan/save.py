@@ -295,16 +295,10 @@ def _grid_replica_writers(pt: ChunkTable, order: np.ndarray, pgroup: np.ndarray,
     rep = g[hstart[:-1]]  # the replicated pattern groups, ascending: pattern by pattern
     vol = _row_prod(pt.sizes[first[rep]])
     heavy, empty = np.flatnonzero(vol > 0), np.flatnonzero(vol == 0)
-
-    def holders(i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        hold, hfirst = balance.ranges(hstart[i], hstart[i + 1] - hstart[i])
-        return pt.rank[rows[hold]], hfirst
-
+    holders = pt.rank[rows]  # list i (rep[i]'s holders): holders[hstart[i] : hstart[i + 1]]
     sel, key_of = _for_keys(pt.key[first[rep[heavy]]], keys)
-    h, hfirst = holders(heavy[sel])
-    rank = h[balance.choose(load, h, hfirst, vol[heavy[sel]] * keys.itemsize[key_of])]
-    h, hfirst = holders(empty)
-    empty_rank = h[balance.choose(load, h, hfirst, np.zeros(len(empty), dtype=np.int64))]
+    rank = holders[balance.choose(load, holders, hstart, vol[heavy[sel]] * keys.itemsize[key_of], heavy[sel])]
+    empty_rank = holders[balance.choose(load, holders, hstart, np.zeros(len(empty), dtype=np.int64), empty)]
     esel, ekey_of = _for_keys(pt.key[first[rep[empty]]], keys)
     return _Chosen(np.concatenate([key_of, ekey_of]), np.concatenate([rep[heavy[sel]], rep[empty[esel]]]),
                    np.concatenate([rank, empty_rank[esel]]))

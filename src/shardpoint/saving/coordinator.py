@@ -262,11 +262,12 @@ def _ranges_by_rank(mask: np.ndarray, row_start: np.ndarray) -> list[list[list[i
     rows = np.diff(row_start)
     if world > 1 and rows[0] and (rows == rows[0]).all():
         by_rank = mask.reshape(world, -1)
-        which = np.unique(np.packbits(by_rank, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
-        first = np.zeros(int(which.max()) + 1, dtype=np.int64)
-        first[which[::-1]] = np.arange(world - 1, -1, -1)  # each distinct row's first rank
+        distinct: dict[bytes, int] = {}
+        which = [distinct.setdefault(row.tobytes(), len(distinct)) for row in np.packbits(by_rank, axis=1)]
+        first = np.zeros(len(distinct), dtype=np.int64)
+        first[np.asarray(which)[::-1]] = np.arange(world - 1, -1, -1)  # each distinct row's first rank
         ranges = _runs_by_rank(by_rank[first].reshape(-1), row_start[: len(first) + 1])
-        return [ranges[i] for i in which.tolist()]
+        return [ranges[i] for i in which]
     return _runs_by_rank(mask, row_start)
 
 
