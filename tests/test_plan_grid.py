@@ -236,6 +236,7 @@ def test_batched_choice_is_the_sequential_rule(data) -> None:  # type: ignore[no
         perm = data.draw(st.permutations(range(world)))
         cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, world - 1)), max_size=3))) | {0, world})
         lists = [list(perm[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+        lists += [list(h) for h in data.draw(st.lists(st.sampled_from(lists), max_size=2))]  # equal lists, other ids
     else:
         lists = data.draw(st.lists(st.lists(st.integers(0, world - 1), min_size=1, max_size=5), min_size=1, max_size=8))
     sets = data.draw(st.lists(st.integers(0, len(lists) - 1), max_size=14))  # each group's holder list

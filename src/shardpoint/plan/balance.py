@@ -77,20 +77,26 @@ def _disjoint_runs(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, 
 def _last_seen(groups: np.ndarray, holders: np.ndarray, starts: np.ndarray, sets: np.ndarray,
                world: int) -> np.ndarray:
     """For each of ``groups`` (in order), the latest earlier position in the order of a
-    group that shares a holder with it (-1: none). When the holder lists in use are
-    disjoint (a partition of ranks: HSDP's replica sets, the ranks of a pipeline stage),
-    groups share a holder exactly when they share a list: one stable sort of the list
-    ids. Otherwise one stable sort of every holder by rank."""
+    group that may share a holder with it (-1: none). When any two holder lists in use
+    are equal or disjoint (replica sets: HSDP's, a pipeline stage's), each list has a
+    block, the lowest list that holds its first rank, and lists of different blocks
+    share no rank: one stable sort of the groups' blocks. Otherwise one stable sort of
+    every holder by rank."""
     used = np.unique(sets[groups])
-    idx, _ = _entries(used, starts)
-    if np.bincount(holders[idx], minlength=world).max(initial=0) <= 1:
-        q, pos, first = sets[groups], np.arange(len(groups), dtype=np.int64), np.arange(len(groups) + 1)
+    idx, first = _entries(used, starts)
+    list_of = np.repeat(used, np.diff(first))
+    block = np.full(world, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(block, holders[idx], list_of)  # each rank's lowest list
+    block_of = np.zeros(int(used.max()) + 1, dtype=np.int64)
+    block_of[used] = block[holders[starts[used]]]
+    if (block[holders[idx]] == block_of[list_of]).all():  # every rank of a list is in the list's block
+        q, pos, first = block_of[sets[groups]], np.arange(len(groups), dtype=np.int64), np.arange(len(groups) + 1)
     else:
         idx, first = _entries(sets[groups], starts)
         q = holders[idx]
         pos = np.repeat(np.arange(len(groups), dtype=np.int64), np.diff(first))
     q = q.astype(np.int16 if int(q.max(initial=0)) < 1 << 15 else np.int64)  # 16 bits: a radix sort
-    by_q = np.argsort(q, kind="stable")  # by holder (or list), then by position in the order
+    by_q = np.argsort(q, kind="stable")  # by holder (or block), then by position in the order
     qs, ps = q[by_q], pos[by_q]
     prev_sorted = np.full(len(qs), -1, dtype=np.int64)
     again = (qs[1:] == qs[:-1]) & (ps[1:] != ps[:-1])  # the same holder in an earlier group
@@ -115,7 +121,7 @@ def _choose_batch(load: np.ndarray, holders: np.ndarray, starts: np.ndarray, nby
             chosen[g] = a + ranks.index(r)
             load[r] += nbytes[g]
         return
-    q = holders[idx]
+    q = holders[idx].astype(np.int64, copy=False)  # holders may be narrower (see ChunkTable)
     v = load[q]
     lens = np.diff(first)
     least = np.repeat(np.minimum.reduceat(v, first[:-1]), lens)

@@ -147,11 +147,16 @@ def chunk_table(layouts_: list[RankLayout], keys: list[str], info: dict[str, Ten
     counts = np.array([len(m["chunks"]["key"]) for m in layouts_], dtype=np.int64)
     row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     ids = _key_ids(layouts_, {k: i for i, k in enumerate(keys)})
-    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=_narrowest(len(keys)))
     boxes = {name: _box_column(layouts_, ids, nds, ndim, name, pad, row_start) for name, pad in (("off", 0), ("size", 1))}
-    table = ChunkTable(key=key_col, rank=np.repeat(np.arange(len(layouts_), dtype=np.int64), counts),
-                       offsets=boxes["off"], sizes=boxes["size"], itemsize=itemsizes[key_col])
+    table = ChunkTable(key=key_col, rank=np.repeat(np.arange(len(layouts_), dtype=_narrowest(len(layouts_))), counts),
+                       offsets=boxes["off"], sizes=boxes["size"], itemsize=itemsizes.astype(np.int8)[key_col])
     return table, row_start
+
+
+def _narrowest(n: int) -> type[np.signedinteger]:
+    """The narrowest signed integer type that holds 0..n (the key and rank columns)."""
+    return np.int16 if n < 1 << 15 else np.int32 if n < 1 << 31 else np.int64
 
 
 def _key_ids(layouts_: list[RankLayout], kid: dict[str, int]) -> list[np.ndarray]:
@@ -159,11 +164,12 @@ def _key_ids(layouts_: list[RankLayout], kid: dict[str, int]) -> list[np.ndarray
     share one array (so :func:`_box_column` copies their boxes together)."""
     ids: list[np.ndarray] = []
     prev_keys: list[str] | None = None
-    cur = np.zeros(0, dtype=np.int64)
+    dtype = _narrowest(len(kid))
+    cur = np.zeros(0, dtype=dtype)
     for m in layouts_:
         ks = m["chunks"]["key"]
         if ks is not prev_keys and ks != prev_keys:
-            cur = np.fromiter((kid[k] for k in ks), dtype=np.int64, count=len(ks))
+            cur = np.fromiter((kid[k] for k in ks), dtype=dtype, count=len(ks))
             prev_keys = ks
         ids.append(cur)
     return ids
