@@ -333,9 +333,9 @@ def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     rows = np.fromiter(chain.from_iterable(st.replica_rows for st in statuses), dtype=np.int64, count=n)
     g_all = plan.group[rows + np.repeat(plan.row_start[: len(statuses)], lens)]
     d_all = np.fromiter(chain.from_iterable(st.replica_digests for st in statuses), dtype=np.int64, count=n)
-    one = np.zeros(int(g_all.max()) + 1, dtype=np.int64)
-    one[g_all] = d_all
-    differs = d_all != one[g_all]
+    last = np.empty(int(g_all.max()) + 1, dtype=_narrowest(n))  # each group's last entry (a narrow table: less to fault in)
+    last[g_all] = np.arange(n, dtype=last.dtype)
+    differs = d_all != d_all[last[g_all]]
     if not differs.any():
         return
     first = int(g_all[differs].min())
