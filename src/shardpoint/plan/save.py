@@ -347,6 +347,7 @@ def _grid_placement(pt: ChunkTable, first: np.ndarray, counts: np.ndarray, chose
 def validate_partition(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
     """Check that the distinct boxes of every key tile its tensor exactly: no gap,
     no overlap. Raises :class:`PlanError` naming the keys that fail."""
+    keys = keys.astype(np.int64, copy=False)  # a narrower array would be widened by every searchsorted below
     problems: dict[int, str] = {}
     vol = _row_prod(sizes)
     nonempty = vol > 0
