@@ -98,6 +98,12 @@ def patched(module: Any, name: str, value: Any) -> Iterator[None]:
         setattr(module, name, original)
 
 
+def on_grid() -> contextlib.AbstractContextManager[None]:
+    """Plan every grid by pattern, however few of its columns repeat (the small grids
+    drawn here are mostly distinct columns, which the planner would plan row by row)."""
+    return patched(pgrid, "_MAX_PATTERNS_PER_COLUMN", 1.0)
+
+
 # --- grids ------------------------------------------------------------------------------------
 
 POOL = [(6, 4), (6, 4), (5, 3), (9,), (4, 2), (7,), (3, 5, 2)]
@@ -153,7 +159,7 @@ def test_grid_plans_are_the_sequential_rule(case, sample) -> None:  # type: igno
     every rank), and gives what the definition and the row-by-row planner give."""
     world, rows, key_shapes, itemsizes = case
     t, shp = table_of(rows, key_shapes, itemsizes)
-    with patched(pgrid, "_SAMPLE_RANKS", sample):
+    with patched(pgrid, "_SAMPLE_RANKS", sample), on_grid():
         grid = pgrid.find_grid(t, shp, world)
         assert grid is not None
         got = observed(choose_writers(t, shp, world), len(key_shapes))
@@ -203,7 +209,7 @@ def test_grid_errors_name_the_keys_row_plans_name(case, data) -> None:  # type: 
     rows = [(k, r, damage(bb) if k in hit and r == r0 else bb) for k, r, bb in rows]
     t, shp = table_of(rows, key_shapes, itemsizes)
     outcome: list[tuple[str, Any]] = []
-    for ctx in (contextlib.nullcontext(), by_rows()):
+    for ctx in (on_grid(), by_rows()):
         with ctx:
             try:
                 outcome.append(("planned", observed(choose_writers(t, shp, world), len(key_shapes))))
@@ -219,8 +225,20 @@ def test_a_grid_with_no_pattern_shared_and_a_scalar() -> None:
     world = 3
     rows = [(k, r, Box((), ())) if k == 0 else (k, r, Box((r,), (1,))) for r in range(world) for k in (1, 0)]
     t, shp = table_of(rows, [(), (3,)], [8, 4])
-    assert pgrid.find_grid(t, shp, world) is not None
-    assert observed(choose_writers(t, shp, world), 2) == reference(world, rows, [(), (3,)], [8, 4])
+    assert pgrid.find_grid(t, shp, world) is None  # all columns distinct: planned row by row
+    with on_grid():
+        assert pgrid.find_grid(t, shp, world) is not None
+        assert observed(choose_writers(t, shp, world), 2) == reference(world, rows, [(), (3,)], [8, 4])
+
+
+def test_a_grid_is_planned_by_pattern_when_its_columns_repeat() -> None:
+    """Ten keys, two layouts (dim-0 shards, whole replicas): two patterns."""
+    world = 4
+    rows = [(k, r, Box((2 * r, 0), (2, 3)) if k % 2 else Box((0, 0), (8, 3))) for r in range(world) for k in range(10)]
+    t, shp = table_of(rows, [(8, 3)] * 10, [4] * 10)
+    grid = pgrid.find_grid(t, shp, world)
+    assert grid is not None and len(grid.rep_col) == 2
+    assert observed(choose_writers(t, shp, world), 10) == reference(world, rows, [(8, 3)] * 10, [4] * 10)
 
 
 # --- the batched balance ------------------------------------------------------------------------
@@ -280,8 +298,9 @@ def test_grid_manifests_and_assignments_are_the_row_by_row_ones(case) -> None:  
     for r, lay in enumerate(nested):
         _digest, msg = co.layout_message(lay, None)
         packed.append(co._full_layout(msg["s"], msg["b"], r))
-    plan = co.make_plan(packed)
-    nested_plan = co.make_plan(nested)
+    with on_grid():
+        plan = co.make_plan(packed)
+        nested_plan = co.make_plan(nested)
     for name in ("key", "rank", "offsets", "sizes", "itemsize"):
         assert np.array_equal(getattr(plan.table, name), getattr(nested_plan.table, name)), name
     _keys, off, size, _shapes = pad_arrays([k for k, _r, _b in rows], [b for _k, _r, b in rows], key_shapes)

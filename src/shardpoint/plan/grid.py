@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 _BLOCK_RANKS = 128
 #: Ranks whose boxes propose the patterns (the exact check then reads every rank).
 _SAMPLE_RANKS = 64
+#: Most patterns per column for which planning by pattern pays (a table of patterns x
+#: ranks as large as the table itself costs the row-by-row plan and a detour).
+_MAX_PATTERNS_PER_COLUMN = 0.5
 
 
 @dataclass(slots=True)
@@ -37,7 +40,8 @@ class Grid:
 def find_grid(t: ChunkTable, shapes: np.ndarray, world: int) -> Grid | None:
     """The grid of ``t`` when it is one (every key of ``shapes`` on every rank, in one
     order), with its patterns: columns of equal global shape whose boxes are equal on
-    every rank. None when the table is no such grid."""
+    every rank. None when the table is no such grid, or when most of its columns are
+    patterns of their own (then it is planned row by row)."""
     n, nkeys = len(t), shapes.shape[0]
     if world < 1 or n == 0 or n != world * nkeys:
         return None
@@ -49,27 +53,31 @@ def find_grid(t: ChunkTable, shapes: np.ndarray, world: int) -> Grid | None:
         return None
     dims = t.offsets.shape[1]
     off, size = t.offsets.reshape(world, nkeys, dims), t.sizes.reshape(world, nkeys, dims)
-    pattern, rep_col = _patterns(off, size, shapes[keys], keys)
-    return Grid(keys=keys, pattern=pattern, rep_col=rep_col)
+    found = _patterns(off, size, shapes[keys], keys)
+    return None if found is None else Grid(keys=keys, pattern=found[0], rep_col=found[1])
 
 
-def _patterns(off: np.ndarray, size: np.ndarray, shapes: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _patterns(off: np.ndarray, size: np.ndarray, shapes: np.ndarray,
+              keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Each column's pattern and each pattern's representative column (that of its
-    lowest key). Columns of one global shape whose boxes agree on a sample of ranks
-    are proposed as one pattern; each is then compared with the representative on
-    every rank, and one that differs somewhere becomes a pattern of its own (never
-    wrong, at worst less shared)."""
+    lowest key); None when there would be more than ``_MAX_PATTERNS_PER_COLUMN`` per
+    column. Columns of one global shape whose boxes agree on a sample of ranks are
+    proposed as one pattern; each is then compared with the representative on every
+    rank, and one that differs somewhere becomes a pattern of its own (never wrong, at
+    worst less shared)."""
     world, ncols, _ = off.shape
     sample = np.unique(np.linspace(0, world - 1, min(world, _SAMPLE_RANKS)).round().astype(np.int64))
     ident = np.concatenate([shapes] + [a[sample].transpose(1, 0, 2).reshape(ncols, -1) for a in (off, size)], axis=1)
     seen: dict[bytes, int] = {}
     pattern = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in ident], dtype=np.int64)
+    if len(seen) > _MAX_PATTERNS_PER_COLUMN * ncols:
+        return None
     rep_col = _lowest(pattern, keys)
     same = _same_columns(off, rep_col[pattern]) & _same_columns(size, rep_col[pattern])
     if not same.all():
         pattern = np.unique(np.where(same, pattern, ncols + np.arange(ncols)), return_inverse=True)[1].astype(np.int64)
         rep_col = _lowest(pattern, keys)
-    return pattern, rep_col
+    return (pattern, rep_col) if len(rep_col) <= _MAX_PATTERNS_PER_COLUMN * ncols else None
 
 
 def _lowest(pattern: np.ndarray, keys: np.ndarray) -> np.ndarray:
