@@ -262,8 +262,8 @@ def _ranges_by_rank(mask: np.ndarray, row_start: np.ndarray) -> list[list[list[i
     in the rank's own row numbers. Ranks whose ranges are equal share one list (at
     8,192 ranks a few hundred lists instead of millions: fewer objects to build, and
     for the collector to scan after planning); the replies are serialised, never
-    edited. When every rank holds as many rows, equal rows are found first (one sort
-    of the packed rows) and only the distinct ones are scanned."""
+    edited. When every rank holds as many rows, equal rows are found first (by their
+    packed bytes) and only the distinct ones are scanned."""
     world = len(row_start) - 1
     rows = np.diff(row_start)
     if world > 1 and rows[0] and (rows == rows[0]).all():
