@@ -10,7 +10,7 @@ against torch's own function on a sample of ranks):
   - 20%: HSDP, (Replicate, Shard(0)) over a 2-D mesh (replicated chunks to dedup);
   - 20%: FSDP x TP, (Shard(0), Shard(1)) over a 2-D mesh (2-D boxes, uneven columns).
 
-DCP: one ``Writers`` per rank of ``WriteItem``s as ``DefaultSavePlanner.create_local_plan``
+DCP: one ``SavePlan`` per rank of ``WriteItem``s as ``DefaultSavePlanner.create_local_plan``
 makes them for DTensors, then exactly what ``DefaultSavePlanner._create_global_plan``
 runs on the coordinator: ``dedup_save_plans``, ``create_default_global_save_plan``,
 the merge of planner data, and ``_validate_global_plan`` (bounds, overlap sweep,
@@ -118,7 +118,7 @@ def check_against_torch(lay: dict[str, Any], world: int, samples: int = 16) -> i
 def dcp_plans(lay: dict[str, Any], world: int) -> list[Any]:
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType, Writers
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     names, shapes = lay["names"], lay["shapes"]
     nds = [len(s) for s in shapes]
@@ -142,7 +142,7 @@ def dcp_plans(lay: dict[str, Any], world: int) -> list[Any]:
                 ),
             ))
         # each rank's plan arrives unpickled, with its own copy of the flatten mapping
-        plans.append(Writers(items=items, planner_data=dict(mapping)))
+        plans.append(SavePlan(items=items, planner_data=dict(mapping)))
     return plans
 
 

@@ -7,16 +7,28 @@ so that planning for thousands of ranks stays fast.
 
 from .boxes import Box, box_runs, intersect
 from .read import ReadOp, plan_reads
-from .save import ChunkTable, PlanError, Writers, choose_writers, validate_partition
+from .save import (
+    ChunkTable,
+    Placement,
+    PlanError,
+    Writers,
+    choose_writers,
+    nonempty_rows,
+    placement,
+    validate_partition,
+)
 
 __all__ = [
     "Box",
     "box_runs",
     "intersect",
     "ChunkTable",
+    "Placement",
     "PlanError",
     "Writers",
     "choose_writers",
+    "placement",
+    "nonempty_rows",
     "validate_partition",
     "ReadOp",
     "plan_reads",

@@ -2,8 +2,12 @@
 and pick one writer per distinct chunk so that replicated bytes are written once
 and the bytes each rank writes are balanced.
 
-Everything is arrays: one row per (rank, chunk). Planning 1,024 ranks x 2,000
-sharded tensors (two million rows) takes well under a second.
+Everything is arrays: one row per (rank, chunk). A table that is a grid of ranks by
+keys (every rank holds each tensor once: FSDP, HSDP, TP) is planned once per distinct
+column and spread over the rows (:mod:`.grid`): a few passes over 16 million rows at
+8,192 ranks x 2,000 tensors instead of sorting them. Any other table is planned row
+by row. Both give the same plan (``tests/test_plan_grid.py`` holds them to the
+sequential definition).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import balance
 from .boxes import grid_cells
+from .grid import Grid, find_grid, spread
 
 #: Cells a per-tensor grid check may allocate before falling back to a pairwise check.
 _GRID_CELL_LIMIT = 1 << 22
@@ -31,13 +37,15 @@ class PlanError(ValueError):
 class ChunkTable:
     """One row per chunk held by a rank. ``offsets``/``sizes`` are (n, D) with D the
     largest tensor rank; a tensor of lower rank pads trailing dims with offset 0,
-    size 1 (and its shape with 1)."""
+    size 1 (and its shape with 1). ``key``, ``rank`` and ``itemsize`` may be any
+    integer type: the coordinator uses the narrowest that holds them (16 million rows
+    of int16, int16 and int8 are 80 MB, not 390 MB of fresh memory to fill)."""
 
-    key: np.ndarray  # int64 (n,)  index into the key list
-    rank: np.ndarray  # int64 (n,)
+    key: np.ndarray  # integer (n,)  index into the key list
+    rank: np.ndarray  # integer (n,)
     offsets: np.ndarray  # int64 (n, D)
     sizes: np.ndarray  # int64 (n, D)
-    itemsize: np.ndarray  # int64 (n,)  bytes per element
+    itemsize: np.ndarray  # integer (n,)  bytes per element
 
     def __len__(self) -> int:
         return int(self.key.shape[0])
@@ -57,6 +65,20 @@ def _row_prod(a: np.ndarray) -> np.ndarray:
 
 
 @dataclass(slots=True)
+class Placement:
+    """Each distinct non-empty box and the rank that writes it, in (key, box) order:
+    what a manifest lists. A key whose list would repeat another's (keys of one pattern
+    on a grid: the same shape, boxes and writers) has no rows and names that key in
+    ``same_as``."""
+
+    key: np.ndarray  # int64 (m,)
+    offsets: np.ndarray  # int64 (m, D)
+    sizes: np.ndarray  # int64 (m, D)
+    rank: np.ndarray  # int64 (m,) the writer
+    same_as: np.ndarray  # int64 (keys,) the key whose rows describe each key (most often itself)
+
+
+@dataclass(slots=True)
 class Writers:
     """The result of :func:`choose_writers`."""
 
@@ -64,6 +86,25 @@ class Writers:
     writer: np.ndarray  # bool (n,) True for the one row of each group that writes its bytes
     replicated: np.ndarray  # bool (n,) True where the row's group has more than one holder
     bytes_per_rank: np.ndarray  # int64 (world,) bytes each rank writes
+    placement: Placement  # the writing rows of non-empty boxes, for the manifest
+
+
+def placement(t: ChunkTable, group: np.ndarray, writer: np.ndarray, nkeys: int) -> Placement:
+    """The :class:`Placement` of the writing rows of ``t`` (one per group), row by row."""
+    w = np.nonzero(writer & nonempty_rows(t.sizes))[0]
+    pos = np.full(int(group.max(initial=-1)) + 1, -1, dtype=np.int64)
+    pos[group[w]] = w
+    w = pos[pos >= 0]  # by group: (key, box) order
+    return Placement(t.key[w].astype(np.int64), t.offsets[w], t.sizes[w], t.rank[w].astype(np.int64),
+                     np.arange(nkeys, dtype=np.int64))
+
+
+def nonempty_rows(sizes: np.ndarray) -> np.ndarray:
+    """Whether each (n, D) box holds an element: column by column (as :func:`_row_prod`)."""
+    out = np.ones(sizes.shape[0], dtype=bool)
+    for d in range(sizes.shape[1]):
+        out &= sizes[:, d] > 0
+    return out
 
 
 def _box_codes(t: ChunkTable, shapes: np.ndarray) -> np.ndarray | None:
@@ -112,7 +153,9 @@ def _group_rows(t: ChunkTable, shapes: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def choose_writers(t: ChunkTable, shapes: np.ndarray, world_size: int) -> Writers:
-    """Validate the layout and choose writers.
+    """Validate the layout and choose writers: one row of each group of equal (key,
+    box) rows writes; replicated groups go largest first to their least-loaded holder
+    (ties to the lowest rank), after every rank's unreplicated bytes.
 
     Args:
         t: every rank's chunks.
@@ -123,51 +166,190 @@ def choose_writers(t: ChunkTable, shapes: np.ndarray, world_size: int) -> Writer
         PlanError: a chunk lies outside its tensor, two different chunks overlap, or
             part of a tensor is held by no rank.
     """
-    n = len(t)
-    if n:
-        lim = shapes[t.key]
-        if t.offsets.min() < 0 or t.sizes.min() < 0 or (t.offsets + t.sizes > lim).any():
-            bad = np.any((t.offsets < 0) | (t.sizes < 0) | (t.offsets + t.sizes > lim), axis=1)
-            raise PlanError({int(k): "a chunk lies outside the tensor's global shape" for k in np.unique(t.key[bad])})
-    order, group, first = _group_rows(t, shapes)  # first: one representative row per group, in group order
-    counts = np.bincount(group, minlength=len(first))
-    replicated = counts[group] > 1
-    validate_partition(t.key[first], t.offsets[first], t.sizes[first], shapes)
+    grid = find_grid(t, shapes, world_size)
+    return _choose_by_rows(t, shapes, world_size) if grid is None else _choose_on_grid(t, shapes, world_size, grid)
 
+
+def _outside(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> list[int]:
+    """The keys that have a chunk outside their tensor's global shape."""
+    if not len(keys):
+        return []
+    lim = shapes[keys]
+    if offsets.min() >= 0 and sizes.min() >= 0 and not (offsets + sizes > lim).any():
+        return []
+    bad = np.any((offsets < 0) | (sizes < 0) | (offsets + sizes > lim), axis=1)
+    return np.unique(keys[bad]).tolist()
+
+
+_OUTSIDE = "a chunk lies outside the tensor's global shape"
+
+
+def _choose_by_rows(t: ChunkTable, shapes: np.ndarray, world_size: int) -> Writers:
+    """:func:`choose_writers` for any table: rows grouped by one sort."""
+    bad = _outside(t.key, t.offsets, t.sizes, shapes)
+    if bad:
+        raise PlanError({k: _OUTSIDE for k in bad})
+    order, group, first = _group_rows(t, shapes)  # first: one representative row per group, in group order
+    replicated = np.bincount(group, minlength=len(first))[group] > 1
+    validate_partition(t.key[first], t.offsets[first], t.sizes[first], shapes)
     nbytes = t.nbytes
-    writer = np.zeros(n, dtype=bool)
-    single = ~replicated
-    writer[single] = True
-    load = np.bincount(t.rank[single], weights=nbytes[single], minlength=world_size).astype(np.int64)
-    rep_groups = np.unique(group[replicated])
-    if rep_groups.size:
-        # rows of replicated groups, sorted by group
-        rows = order[replicated[order]]  # by group, then row (order is a stable sort)
-        g_of_rows = group[rows]
-        starts = np.searchsorted(g_of_rows, rep_groups)
-        ends = np.searchsorted(g_of_rows, rep_groups, side="right")
-        gbytes = nbytes[rows[starts]]
-        # largest first onto the least-loaded holder (deterministic: ties to lowest rank);
-        # sequential by nature, so on Python lists (a numpy call per group is 10x slower)
-        row_l, rank_l = rows.tolist(), t.rank[rows].tolist()
-        start_l, end_l, bytes_l = starts.tolist(), ends.tolist(), gbytes.tolist()
-        load_l = load.tolist()
-        chosen = []
-        w = world_size
-        for i in np.argsort(-gbytes, kind="stable").tolist():
-            a, b = start_l[i], end_l[i]
-            holders = rank_l[a:b]
-            r = min([load_l[q] * w + q for q in holders]) % w  # least load, then lowest rank
-            chosen.append(row_l[a + holders.index(r)])
-            load_l[r] += bytes_l[i]
-        writer[np.asarray(chosen, dtype=np.int64)] = True
-        load = np.asarray(load_l, dtype=np.int64)
-    return Writers(group=group, writer=writer, replicated=replicated, bytes_per_rank=load)
+    writer = ~replicated
+    load = np.bincount(t.rank[writer], weights=nbytes[writer], minlength=world_size).astype(np.int64)
+    rows = order[replicated[order]]  # rows of replicated groups, by group, then row (order is a stable sort)
+    if rows.size:
+        g = group[rows]
+        starts = np.flatnonzero(np.concatenate([[True], g[1:] != g[:-1], [True]]))
+        writer[rows[balance.choose(load, t.rank[rows], starts, nbytes[rows[starts[:-1]]])]] = True
+    return Writers(group, writer, replicated, load, placement(t, group, writer, shapes.shape[0]))
+
+
+def _choose_on_grid(t: ChunkTable, shapes: np.ndarray, world_size: int, grid: Grid) -> Writers:
+    """:func:`choose_writers` for a grid: group, validate and weigh one column per
+    pattern (a table of patterns x ranks, planned row by row), then number the groups
+    key by key, spread them over the rows and choose the replicas' writers."""
+    w, ncols, npat = world_size, len(grid.keys), len(grid.rep_col)
+
+    def for_members(problems: dict[int, str]) -> PlanError:
+        """The error for the keys of the patterns that have a problem."""
+        return PlanError({int(k): problems[int(p)] for k, p in zip(grid.keys, grid.pattern) if int(p) in problems})
+
+    pt = _pattern_table(t, grid, w)
+    pshapes = shapes[grid.keys[grid.rep_col]]
+    bad = _outside(pt.key, pt.offsets, pt.sizes, pshapes)
+    if bad:
+        raise for_members({p: _OUTSIDE for p in bad})
+    order, pgroup, first = _group_rows(pt, pshapes)  # groups numbered by (pattern, box)
+    try:
+        validate_partition(pt.key[first], pt.offsets[first], pt.sizes[first], pshapes)
+    except PlanError as e:
+        raise for_members(e.problems) from None
+    counts = np.bincount(pgroup, minlength=len(first))
+    ndist = np.bincount(pt.key[first], minlength=npat)
+    keys = _GridKeys.of(grid, t.itemsize[:ncols], ndist)
+    local = pgroup - np.concatenate([[0], np.cumsum(ndist)[:-1]]).astype(np.int64)[pt.key]
+    group = spread(local.reshape(npat, w).T, grid).reshape(w, ncols)
+    group += keys.first_group[grid.keys]
+    single = (counts[pgroup] == 1).reshape(npat, w).T  # (world, patterns)
+    vol = _row_prod(pt.sizes).reshape(npat, w).T
+    itemsize_sum = np.zeros(npat, dtype=np.int64)
+    np.add.at(itemsize_sum, grid.pattern, t.itemsize[:ncols])
+    load = (np.where(single, vol, 0) * itemsize_sum).sum(axis=1)
+    writer = spread(single, grid)
+    replicated = ~writer
+    chosen = _grid_replica_writers(pt, order, pgroup, first, counts, keys, load)
+    writer[chosen.rank * ncols + keys.col[chosen.key]] = True
+    return Writers(group.reshape(-1), writer, replicated, load, _grid_placement(pt, first, counts, chosen, keys))
+
+
+@dataclass(slots=True)
+class _GridKeys:
+    """Per key of a grid: its column, pattern, item size and first group number
+    (groups are numbered key by key, each key's as many as its pattern's); per
+    pattern: its lowest key."""
+
+    col: np.ndarray
+    pattern: np.ndarray
+    itemsize: np.ndarray
+    first_group: np.ndarray
+    pattern_key: np.ndarray
+
+    @staticmethod
+    def of(grid: Grid, col_itemsize: np.ndarray, ndist: np.ndarray) -> _GridKeys:
+        n = len(grid.keys)
+        col, pattern, itemsize = (np.empty(n, dtype=np.int64) for _ in range(3))
+        col[grid.keys], pattern[grid.keys], itemsize[grid.keys] = np.arange(n), grid.pattern, col_itemsize
+        first_group = np.concatenate([[0], np.cumsum(ndist[pattern])[:-1]]).astype(np.int64)
+        return _GridKeys(col, pattern, itemsize, first_group, grid.keys[grid.rep_col])
+
+
+def _pattern_table(t: ChunkTable, grid: Grid, world: int) -> ChunkTable:
+    """Each pattern's representative column on every rank, pattern after pattern (the
+    key of a row is its pattern)."""
+    npat, ncols, dims = len(grid.rep_col), len(grid.keys), t.offsets.shape[1]
+
+    def column(a: np.ndarray) -> np.ndarray:
+        return a.reshape(world, ncols, dims)[:, grid.rep_col].transpose(1, 0, 2).reshape(npat * world, dims)
+
+    return ChunkTable(key=np.repeat(np.arange(npat, dtype=np.int64), world),
+                      rank=np.tile(np.arange(world, dtype=np.int64), npat), offsets=column(t.offsets),
+                      sizes=column(t.sizes), itemsize=np.repeat(t.itemsize[grid.rep_col], world))
+
+
+@dataclass(slots=True)
+class _Chosen:
+    """The writers of a grid's replicated groups, key by key: each group's key,
+    pattern group and chosen rank."""
+
+    key: np.ndarray
+    pgroup: np.ndarray
+    rank: np.ndarray
+
+
+def _grid_replica_writers(pt: ChunkTable, order: np.ndarray, pgroup: np.ndarray, first: np.ndarray,
+                          counts: np.ndarray, keys: _GridKeys, load: np.ndarray) -> _Chosen:
+    """The writers of every key's replicated groups (its pattern's), by
+    :func:`balance.choose`; ``load`` gains their bytes. Groups with bytes are weighed
+    key by key with the key's item size, in key then box order (the order of their
+    group numbers). Empty boxes come last and change no load, so all keys of a pattern
+    choose alike: each pattern's empty groups are chosen once, after the rest."""
+    rows = order[(counts[pgroup] > 1)[order]]  # pattern rows of replicated groups, by group then rank
+    if not rows.size:
+        return _Chosen(*(np.zeros(0, dtype=np.int64) for _ in range(3)))
+    g = pgroup[rows]
+    hstart = np.flatnonzero(np.concatenate([[True], g[1:] != g[:-1], [True]]))
+    rep = g[hstart[:-1]]  # the replicated pattern groups, ascending: pattern by pattern
+    vol = _row_prod(pt.sizes[first[rep]])
+    heavy, empty = np.flatnonzero(vol > 0), np.flatnonzero(vol == 0)
+    holders = pt.rank[rows]  # list i (rep[i]'s holders): holders[hstart[i] : hstart[i + 1]]
+    sel, key_of = _for_keys(pt.key[first[rep[heavy]]], keys)
+    rank = holders[balance.choose(load, holders, hstart, vol[heavy[sel]] * keys.itemsize[key_of], heavy[sel])]
+    empty_rank = holders[balance.choose(load, holders, hstart, np.zeros(len(empty), dtype=np.int64), empty)]
+    esel, ekey_of = _for_keys(pt.key[first[rep[empty]]], keys)
+    return _Chosen(np.concatenate([key_of, ekey_of]), np.concatenate([rep[heavy[sel]], rep[empty[esel]]]),
+                   np.concatenate([rank, empty_rank[esel]]))
+
+
+def _for_keys(group_pattern: np.ndarray, keys: _GridKeys) -> tuple[np.ndarray, np.ndarray]:
+    """For groups listed pattern by pattern (``group_pattern``, ascending), every
+    (group, key) pair of a key of the group's pattern, key by key and group by group:
+    each group's index and each pair's key."""
+    lo = np.searchsorted(group_pattern, np.arange(len(keys.pattern_key) + 1))
+    per_key = np.diff(lo)[keys.pattern]
+    listed = np.flatnonzero(per_key)
+    sel, _ = balance.ranges(lo[keys.pattern[listed]], per_key[listed])
+    return sel, np.repeat(listed, per_key[listed])
+
+
+def _grid_placement(pt: ChunkTable, first: np.ndarray, counts: np.ndarray, chosen: _Chosen,
+                    keys: _GridKeys) -> Placement:
+    """The :class:`Placement` of a grid: each pattern's non-empty boxes with their
+    single holders as writers, listed once for a pattern without replicas (its lowest
+    key; the others point to it) and for every key of a pattern with replicas, whose
+    writers differ from key to key."""
+    nonempty = np.flatnonzero(nonempty_rows(pt.sizes[first]))  # pattern groups, ascending
+    npat = len(keys.pattern_key)
+    lo = np.searchsorted(pt.key[first[nonempty]], np.arange(npat + 1))
+    replicas = np.bincount(pt.key[first[nonempty]], weights=counts[nonempty] > 1, minlength=npat) > 0
+    same_as = np.where(replicas[keys.pattern], np.arange(len(keys.col)), keys.pattern_key[keys.pattern])
+    listed = np.flatnonzero(same_as == np.arange(len(keys.col)))
+    sel, kfirst = balance.ranges(lo[keys.pattern[listed]], np.diff(lo)[keys.pattern[listed]])
+    rows = first[nonempty[sel]]
+    rank = pt.rank[rows]  # the single holder; replicated groups get their key's chosen writer
+    at = np.full(len(keys.col), -1, dtype=np.int64)
+    at[listed] = kfirst[:-1]
+    box = np.full(len(first), -1, dtype=np.int64)
+    box[nonempty] = np.arange(len(nonempty))
+    box = box[chosen.pgroup]  # where each chosen group is among the non-empty ones (-1: an empty box)
+    ok = box >= 0
+    ckey = chosen.key[ok]
+    rank[at[ckey] + box[ok] - lo[keys.pattern[ckey]]] = chosen.rank[ok]
+    return Placement(np.repeat(listed, np.diff(kfirst)), pt.offsets[rows], pt.sizes[rows], rank, same_as)
 
 
 def validate_partition(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, shapes: np.ndarray) -> None:
     """Check that the distinct boxes of every key tile its tensor exactly: no gap,
     no overlap. Raises :class:`PlanError` naming the keys that fail."""
+    keys = keys.astype(np.int64, copy=False)  # a narrower array would be widened by every searchsorted below
     problems: dict[int, str] = {}
     vol = _row_prod(sizes)
     nonempty = vol > 0

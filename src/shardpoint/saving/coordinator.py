@@ -16,7 +16,6 @@ import json
 import time
 import uuid
 import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -29,7 +28,7 @@ from ..errors import ShardpointError
 from ..format import layouts
 from ..format.datafile import CRC_BLOCK, itemsize_of
 from ..format.manifest import Manifest, Tree
-from ..plan import ChunkTable, PlanError, choose_writers
+from ..plan import ChunkTable, Placement, PlanError, choose_writers, nonempty_rows
 from ..runtime import PROCESS
 from .records import Encoded, RankLayout, RankValues, TensorMeta, TreeLayout, Wire, WriteStatus
 
@@ -64,11 +63,12 @@ def _pack(a: np.ndarray) -> str:
 
 
 def _unpack(s: str, what: str) -> np.ndarray:
-    """The inverse of :func:`_pack`; a malformed message is a :class:`ShardpointError`."""
+    """The inverse of :func:`_pack`, in the width the integers travelled in (the chunk
+    table widens them as it copies them); a malformed message is a :class:`ShardpointError`."""
     try:
         width, data = s.split(":", 1)
         raw = zlib.decompress(base64.b64decode(data, validate=True))
-        return np.frombuffer(raw, dtype=f"<i{int(width)}").astype(np.int64)
+        return np.frombuffer(raw, dtype=f"<i{int(width)}")
     except (ValueError, TypeError, zlib.error) as e:
         raise ShardpointError(f"malformed chunk boxes in {what}'s layout message ({e}); "
                               "every rank must run the same shardpoint version") from None
@@ -80,12 +80,12 @@ def _full_layout(structure: Wire, boxes: Wire, rank: int) -> RankLayout:
                        "size_flat": _unpack(boxes["size"], f"rank {rank}")}}
 
 
-def _flat_boxes(m: TreeLayout, name: str) -> np.ndarray | Iterable[int]:
+def _flat_boxes(m: TreeLayout, name: str) -> np.ndarray:
     """A rank's ``off`` or ``size`` values, chunk after chunk: flat as they arrive in a
     message, or flattened from the nested lists of a full description."""
     c = m["chunks"]
     flat = c.get(name + "_flat")
-    return flat if flat is not None else chain.from_iterable(c[name])
+    return flat if flat is not None else np.fromiter(chain.from_iterable(c[name]), dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -104,6 +104,7 @@ class Plan:
     group: np.ndarray
     writer: np.ndarray  # bool: this row's bytes go to this rank's file (never an empty box)
     check: np.ndarray  # bool: this row is a replica (non-empty): its checksums are compared
+    placement: Placement  # each non-empty box's writer, as the manifest lists them
 
 
 def merge_structure(layouts_: list[RankLayout]) -> tuple[dict[str, TensorMeta], dict[str, str]]:
@@ -138,51 +139,78 @@ def merge_structure(layouts_: list[RankLayout]) -> tuple[dict[str, TensorMeta], 
 
 def chunk_table(layouts_: list[RankLayout], keys: list[str], info: dict[str, TensorMeta]) -> tuple[ChunkTable, np.ndarray]:
     """All ranks' chunk rows as arrays (vectorised: ranks that list the same keys in
-    the same order are looked up once). Returns the table and each rank's first row."""
-    kid = {k: i for i, k in enumerate(keys)}
+    the same order are looked up and copied together). Returns the table and each
+    rank's first row."""
     nds = np.array([len(info[k]["shape"]) for k in keys], dtype=np.int64)
     ndim = int(max(nds.max(initial=0), 1))
     itemsizes = np.array([itemsize_of(info[k]["dtype"]) for k in keys], dtype=np.int64)
     counts = np.array([len(m["chunks"]["key"]) for m in layouts_], dtype=np.int64)
     row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    n = int(row_start[-1])
+    ids = _key_ids(layouts_, {k: i for i, k in enumerate(keys)})
+    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=_narrowest(len(keys)))
+    boxes = {name: _box_column(layouts_, ids, nds, ndim, name, pad, row_start) for name, pad in (("off", 0), ("size", 1))}
+    table = ChunkTable(key=key_col, rank=np.repeat(np.arange(len(layouts_), dtype=_narrowest(len(layouts_))), counts),
+                       offsets=boxes["off"], sizes=boxes["size"], itemsize=itemsizes.astype(np.int8)[key_col])
+    return table, row_start
+
+
+def _narrowest(n: int) -> type[np.signedinteger]:
+    """The narrowest signed integer type that holds 0..n (the key and rank columns)."""
+    return np.int16 if n < 1 << 15 else np.int32 if n < 1 << 31 else np.int64
+
+
+def _key_ids(layouts_: list[RankLayout], kid: dict[str, int]) -> list[np.ndarray]:
+    """Each rank's chunk keys as key ids; consecutive ranks that list the same keys
+    share one array (so :func:`_box_column` copies their boxes together)."""
     ids: list[np.ndarray] = []
     prev_keys: list[str] | None = None
-    cur = np.zeros(0, dtype=np.int64)
+    dtype = _narrowest(len(kid))
+    cur = np.zeros(0, dtype=dtype)
     for m in layouts_:
         ks = m["chunks"]["key"]
         if ks is not prev_keys and ks != prev_keys:
-            cur = np.fromiter((kid[k] for k in ks), dtype=np.int64, count=len(ks))
+            cur = np.fromiter((kid[k] for k in ks), dtype=dtype, count=len(ks))
             prev_keys = ks
         ids.append(cur)
-    key_col = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    lens = nds[key_col]
-    total = int(lens.sum())
-    boxes = {}
-    for name, pad in (("off", 0), ("size", 1)):
-        parts = [_flat_boxes(m, name) for m in layouts_]
-        arrays = [p for p in parts if isinstance(p, np.ndarray)]
-        if len(arrays) == len(parts):
-            flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-        else:
-            flat = np.fromiter(chain.from_iterable(parts), dtype=np.int64)
-        if flat.size != total:
-            bad = next(r for r, m in enumerate(layouts_) if sum(1 for _ in _flat_boxes(m, name)) != sum(
-                len(info[k]["shape"]) for k in m["chunks"]["key"]))
+    return ids
+
+
+def _box_column(layouts_: list[RankLayout], ids: list[np.ndarray], nds: np.ndarray, ndim: int, name: str, pad: int,
+                row_start: np.ndarray) -> np.ndarray:
+    """All ranks' ``off`` or ``size`` boxes as one (rows, ndim) int64 array, the
+    trailing dims of lower-rank tensors padded with ``pad``. The ranks that share a key
+    list are copied together: straight into place when none is padded, else a block of
+    ranks at a time by one ``take`` from their values and a pad column (a scatter by
+    fancy index is several times slower; small blocks keep the copies in cache)."""
+    out = np.empty((int(row_start[-1]), ndim), dtype=np.int64)
+    r = 0
+    while r < len(layouts_):
+        e = r + 1
+        while e < len(layouts_) and ids[e] is ids[r]:
+            e += 1
+        dims = nds[ids[r]]
+        want = int(dims.sum())
+        flats = [_flat_boxes(m, name) for m in layouts_[r:e]]
+        bad = next((q for q, f in zip(range(r, e), flats) if f.size != want), None)
+        if bad is not None:
             raise ShardpointError(
                 f"rank {bad} described chunks whose number of dimensions differs from their tensor's shape; "
                 "this is a bug in the layout of that rank's state (report it with the state's types)")
-        if flat.size == n * ndim:  # every key has the table's number of dims: no padding
-            boxes[name] = flat.reshape(n, ndim)
-        else:  # lower-rank tensors pad their trailing dims with offset 0, size 1
-            out = np.full((n, ndim), pad, dtype=np.int64)
-            rows = np.repeat(np.arange(n), lens)
-            cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-            out[rows, cols] = flat
-            boxes[name] = out
-    table = ChunkTable(key=key_col, rank=np.repeat(np.arange(len(layouts_), dtype=np.int64), counts),
-                       offsets=boxes["off"], sizes=boxes["size"], itemsize=itemsizes[key_col] if n else np.zeros(0, dtype=np.int64))
-    return table, row_start
+        block = out[row_start[r] : row_start[e]].reshape(e - r, -1)
+        if len(dims) and (dims == ndim).all():
+            np.concatenate(flats, out=block.reshape(-1))
+        elif len(dims):
+            real = np.arange(ndim) < dims[:, None]  # (rows, ndim): the slots a value fills
+            src = np.full(real.shape, want, dtype=np.int64)  # column ``want``: the pad
+            src[real] = np.arange(want)
+            step = max(1, (1 << 18) // (want + 1))
+            for a in range(0, e - r, step):
+                part = np.empty((min(step, e - r - a), want + 1), dtype=np.int64)
+                part[:, want] = pad
+                part[:, :want] = np.concatenate(flats[a : a + step]).reshape(-1, want)
+                np.take(part, src.reshape(-1), axis=1, out=block[a : a + step], mode="clip")  # "clip": unbuffered
+        r = e
+    return out
 
 
 def make_plan(layouts_: list[RankLayout]) -> Plan:
@@ -200,9 +228,9 @@ def make_plan(layouts_: list[RankLayout]) -> Plan:
     except PlanError as e:
         detail = "; ".join(f"key {keys[k]!r}: {why}" for k, why in sorted(e.problems.items()))
         raise ShardpointError(f"the ranks' pieces do not form valid tensors: {detail}") from None
-    nonempty = np.all(table.sizes > 0, axis=1)
+    nonempty = nonempty_rows(table.sizes)
     return Plan(keys, info, containers, [m["per_rank"] for m in layouts_], row_start, table, shapes, sp.group,
-                sp.writer & nonempty, sp.replicated & nonempty)
+                sp.writer & nonempty, sp.replicated & nonempty, sp.placement)
 
 
 def merge_values(plan: Plan, values: list[RankValues]) -> dict[str, Encoded]:
@@ -231,23 +259,50 @@ def merge_values(plan: Plan, values: list[RankValues]) -> dict[str, Encoded]:
 
 def _ranges_by_rank(mask: np.ndarray, row_start: np.ndarray) -> list[list[list[int]]]:
     """Per rank, ``[[start, stop], ...]`` of the runs of True in its rows of ``mask``,
-    in the rank's own row numbers (all ranks at once: one pass over the table)."""
+    in the rank's own row numbers. Ranks whose ranges are equal share one list (at
+    8,192 ranks a few hundred lists instead of millions: fewer objects to build, and
+    for the collector to scan after planning); the replies are serialised, never
+    edited. When every rank holds as many rows, equal rows are found first (by their
+    packed bytes) and only the distinct ones are scanned."""
     world = len(row_start) - 1
-    m = mask.astype(np.int8)
-    d = np.diff(np.concatenate([[0], m, [0]]))
-    starts = np.nonzero(d == 1)[0]
-    stops = np.nonzero(d == -1)[0]
-    # a run must not cross a rank's boundary: cut runs at every boundary inside them
-    bounds = np.unique(row_start[(row_start > 0) & (row_start < len(mask))])
-    inside = bounds[mask[bounds - 1] & mask[bounds]]
-    if inside.size:
-        starts = np.sort(np.concatenate([starts, inside]))
-        stops = np.sort(np.concatenate([stops, inside]))
+    rows = np.diff(row_start)
+    if world > 1 and rows[0] and (rows == rows[0]).all():
+        by_rank = mask.reshape(world, -1)
+        distinct: dict[bytes, int] = {}
+        which = [distinct.setdefault(row.tobytes(), len(distinct)) for row in np.packbits(by_rank, axis=1)]
+        first = np.zeros(len(distinct), dtype=np.int64)
+        first[np.asarray(which)[::-1]] = np.arange(world - 1, -1, -1)  # each distinct row's first rank
+        ranges = _runs_by_rank(by_rank[first].reshape(-1), row_start[: len(first) + 1])
+        return [ranges[i] for i in which]
+    return _runs_by_rank(mask, row_start)
+
+
+def _runs_by_rank(mask: np.ndarray, row_start: np.ndarray) -> list[list[list[int]]]:
+    """:func:`_ranges_by_rank` for any table: one pass over all its rows."""
+    world = len(row_start) - 1
+    begin, end = mask.copy(), mask.copy()
+    begin[1:] &= ~mask[:-1]
+    end[:-1] &= ~mask[1:]
+    inner = row_start[1:-1][(row_start[1:-1] > 0) & (row_start[1:-1] < len(mask))]
+    begin[inner] = mask[inner]  # a run does not cross from one rank's rows into the next's
+    end[inner - 1] = mask[inner - 1]
+    starts = np.flatnonzero(begin)
     owner = np.searchsorted(row_start, starts, side="right") - 1
-    local = np.stack([starts, stops], axis=1) - row_start[owner][:, None]
-    cut = np.searchsorted(owner, np.arange(world + 1))
-    flat = local.tolist()
-    return [flat[cut[r] : cut[r + 1]] for r in range(world)]
+    local = np.empty((len(starts), 2), dtype=np.int64)
+    local[:, 0] = starts
+    local[:, 1] = np.flatnonzero(end) + 1
+    local -= row_start[owner][:, None]
+    cut = np.searchsorted(owner, np.arange(world + 1)).tolist()
+    seen: dict[bytes, list[list[int]]] = {}
+    out = []
+    for r in range(world):
+        part = local[cut[r] : cut[r + 1]]
+        key = part.tobytes()
+        ranges = seen.get(key)
+        if ranges is None:
+            ranges = seen[key] = part.tolist()
+        out.append(ranges)
+    return out
 
 
 def assignments(plan: Plan) -> list[Wire]:
@@ -269,23 +324,22 @@ def replica_digest(crcs: list[int]) -> int:
 def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     """Raise naming key and ranks when replicated bytes differ between ranks.
     Each status lists its replica rows (in the rank's own order) and the
-    :func:`replica_digest` of each; compared group by group in arrays."""
-    groups, digests, ranks = [], [], []
-    for r, st in enumerate(statuses):
-        rows, ds = st.replica_rows, st.replica_digests
-        if rows:
-            groups.append(plan.group[int(plan.row_start[r]) + np.asarray(rows, dtype=np.int64)])
-            digests.append(np.asarray(ds, dtype=np.int64))
-            ranks.append(np.full(len(rows), r, dtype=np.int64))
-    if not groups:
+    :func:`replica_digest` of each; each digest is compared with one of its group's
+    (a scatter and a gather, no sort)."""
+    lens = np.array([len(st.replica_rows) for st in statuses], dtype=np.int64)
+    n = int(lens.sum())
+    if not n:
         return
-    g_all, d_all, rk = np.concatenate(groups), np.concatenate(digests), np.concatenate(ranks)
-    order = np.lexsort((d_all, g_all))
-    g, d = g_all[order], d_all[order]
-    bad = np.nonzero((g[1:] == g[:-1]) & (d[1:] != d[:-1]))[0]
-    if not bad.size:
+    rows = np.fromiter(chain.from_iterable(st.replica_rows for st in statuses), dtype=np.int64, count=n)
+    g_all = plan.group[rows + np.repeat(plan.row_start[: len(statuses)], lens)]
+    d_all = np.fromiter(chain.from_iterable(st.replica_digests for st in statuses), dtype=np.int64, count=n)
+    last = np.empty(int(g_all.max()) + 1, dtype=_narrowest(n))  # each group's last entry (a narrow table: less to fault in)
+    last[g_all] = np.arange(n, dtype=last.dtype)
+    differs = d_all != d_all[last[g_all]]
+    if not differs.any():
         return
-    first = g[bad[0]]
+    first = int(g_all[differs].min())
+    rk = np.repeat(np.arange(len(statuses), dtype=np.int64), lens)
     by: dict[int, list[int]] = {}
     for i in np.nonzero(g_all == first)[0]:
         by.setdefault(int(d_all[i]), []).append(int(rk[i]))
@@ -332,22 +386,22 @@ def _per_rank_placed(d: TreeLayout, rank: int) -> dict[str, Wire]:
     return out
 
 
-def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str, Wire]:
+def _row_split_grids(plan: Plan, bounds: np.ndarray) -> dict[str, Wire]:
     """The ``grid`` entries of the tensors split along dim 0 only (FSDP's ``Shard(0)``,
     the common case), for all of them at once: the same entries
-    :func:`layouts.encode` makes, without a dozen array calls per tensor. ``w`` are
-    the writing rows in (key, box) order (so by dim-0 offset within a key), ``bounds``
-    each key's first row in ``w``. The plan validated that a key's boxes tile it, so
+    :func:`layouts.encode` makes, without a dozen array calls per tensor. The
+    placement's rows are in (key, box) order (so by dim-0 offset within a key),
+    ``bounds`` each key's first row. The plan validated that a key's boxes tile it, so
     boxes that span every other dimension are consecutive row ranges."""
-    t = plan.table
+    pl = plan.placement
     nkeys = len(plan.keys)
-    if not len(w) or nkeys == 0:
+    if not len(pl.key) or nkeys == 0:
         return {}
     shapes = plan.shapes
     nds = np.array([len(plan.info[k]["shape"]) for k in plan.keys], dtype=np.int64)
-    kw = t.key[w]
-    off, size, rank = t.offsets[w], t.sizes[w], t.rank[w]
-    spans = np.ones(len(w), dtype=bool)
+    kw, off, size, rank = pl.key, pl.offsets, pl.sizes, pl.rank
+    n = len(kw)
+    spans = np.ones(n, dtype=bool)
     for d in range(1, off.shape[1]):
         spans &= (off[:, d] == 0) & (size[:, d] == shapes[kw, d])
     counts = np.diff(bounds)
@@ -356,20 +410,20 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
         return {}
     start = np.repeat(bounds[:-1], counts)  # each row's key's first row
     last = np.repeat(bounds[1:] - 1, counts)
-    idx = np.arange(len(w))
+    idx = np.arange(n)
     s0 = size[:, 0]
     c0 = s0[start]
     uneven = np.where(idx < last, s0 != c0, s0 > c0)  # every piece c0 but the last, which is at most c0
-    step = np.zeros(len(w), dtype=np.int64)
+    step = np.zeros(n, dtype=np.int64)
     step[1:] = rank[1:] - rank[:-1]
     step0 = step[np.minimum(start + 1, last)]
     irregular = (idx > start) & (step != step0)  # ranks not first + i * step
     bad_cuts = np.bincount(kw, weights=uneven, minlength=nkeys) > 0
     bad_ranks = np.bincount(kw, weights=irregular, minlength=nkeys) > 0
     out: dict[str, Wire] = {}
-    first_off, first_rank = off[bounds[:-1].clip(max=len(w) - 1), 0], rank[bounds[:-1].clip(max=len(w) - 1)]
-    c0_key = s0[bounds[:-1].clip(max=len(w) - 1)]
-    step_key = step[np.minimum(bounds[:-1] + 1, bounds[1:] - 1).clip(max=len(w) - 1)]
+    first_off, first_rank = off[bounds[:-1].clip(max=n - 1), 0], rank[bounds[:-1].clip(max=n - 1)]
+    c0_key = s0[bounds[:-1].clip(max=n - 1)]
+    step_key = step[np.minimum(bounds[:-1] + 1, bounds[1:] - 1).clip(max=n - 1)]
     for i in np.nonzero(ok)[0].tolist():
         a, b = int(bounds[i]), int(bounds[i + 1])
         if int(first_off[i]) != 0:  # pragma: no cover - a validated tiling starts at 0
@@ -387,24 +441,29 @@ def _row_split_grids(plan: Plan, w: np.ndarray, bounds: np.ndarray) -> dict[str,
     return out
 
 
+def placed_layouts(plan: Plan) -> dict[str, Wire]:
+    """Each tensor's layout entry (:func:`layouts.encode` of its non-empty boxes and
+    their writers), from the plan's placement. A key that shares another's boxes and
+    writers (one pattern of a grid of ranks) shares that key's entry object: the
+    manifest is serialised, never edited (copying thousands of rank lists cost seconds)."""
+    pl = plan.placement
+    bounds = np.searchsorted(pl.key, np.arange(len(plan.keys) + 1))
+    placed = _row_split_grids(plan, bounds)
+    alias = pl.same_as != np.arange(len(plan.keys))
+    for i, k in enumerate(plan.keys):
+        if k not in placed and not alias[i]:
+            a, b = bounds[i], bounds[i + 1]
+            placed[k] = layouts.encode(tuple(plan.info[k]["shape"]), pl.offsets[a:b], pl.sizes[a:b], pl.rank[a:b])
+    for i in np.flatnonzero(alias).tolist():
+        placed[plan.keys[i]] = placed[plan.keys[int(pl.same_as[i])]]
+    return placed
+
+
 def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str) -> Manifest:
     """The manifest from the plan, the ranks' values and what each rank wrote (its
     file, and the non-finite values it found): each tensor described by its layout
     (:mod:`shardpoint.format.layouts`)."""
-    t = plan.table
-    # the writing rows in (key, box) order: the plan's groups are numbered in that order
-    w = np.nonzero(plan.writer)[0]
-    pos = np.full(int(plan.group.max(initial=-1)) + 1, -1, dtype=np.int64)
-    pos[plan.group[w]] = w
-    w = pos[pos >= 0]
-    keys_w = t.key[w]
-    bounds = np.searchsorted(keys_w, np.arange(len(plan.keys) + 1))
-    placed = _row_split_grids(plan, w, bounds)
-    for i, k in enumerate(plan.keys):
-        if k not in placed:
-            rows = w[bounds[i] : bounds[i + 1]]
-            placed[k] = layouts.encode(tuple(plan.info[k]["shape"]), t.offsets[rows], t.sizes[rows], t.rank[rows])
-    tree = _tree(plan.containers, merge_values(plan, values), plan.info, placed)
+    tree = _tree(plan.containers, merge_values(plan, values), plan.info, placed_layouts(plan))
     for pkey in sorted({k for pr in plan.per_rank for k in pr}):
         ranks: dict[str, Wire] = {}
         for r, pr in enumerate(plan.per_rank):

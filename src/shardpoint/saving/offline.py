@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import UsageError
 from ..format.index import index_name
 from ..format.manifest import MANIFEST_NAME
+from ..plan import placement
 from ..storage import Storage
 from .commit import commit_checkpoint, exists_error
 from .coordinator import build_manifest, check_replicas, make_plan
@@ -64,7 +65,9 @@ def save_ranks(rank_states: Iterable[tuple[int, Any]], storage: Storage, *, worl
         if absent:
             raise UsageError(f"ranks {absent} were never given; give every rank of world_size={world_size} once")
         plan = make_plan([m for m in layouts if m is not None])
-        plan.writer = np.concatenate(writers) if writers else plan.writer
+        if writers:  # each box written where it was first met: the manifest names those writers
+            plan.writer = np.concatenate(writers)
+            plan.placement = placement(plan.table, plan.group, plan.writer, len(plan.keys))
         done = [s for s in statuses if s is not None]
         check_replicas(plan, done)
         commit_checkpoint(storage, build_manifest(plan, values, done, save_id), replace=overwrite)
