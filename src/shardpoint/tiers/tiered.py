@@ -447,21 +447,9 @@ class Tiers:
         comm.arrive("tiers-restore", self._name)
         hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
         leader = self._leader(comm)
-        got = comm.gather_json(self.area.inventory() if leader else None)
-        plan: dict[str, Any] | None = None
-        error: BaseException | None = None
-        if got is not None:
-            try:
-                plan = self._plan(hosts, got, durable_step, judge, step, root_newest)
-            except Exception as e:  # noqa: BLE001 - a caller's accept= may raise: every rank hears of it
-                error = e
-                plan = {"error": f"{type(e).__name__}: {e}"}
-        plan = comm.broadcast_json(plan)
-        if "error" in plan:
-            if error is not None:
-                raise error
-            raise ShardpointError(f"rank 0 could not choose a memory snapshot to restore ({plan['error']}); "
-                                  "see rank 0's error")
+        # each host's inventory to rank 0, which plans; its plan (or its error: a caller's accept= may raise) to all
+        plan = agree(comm, self.area.inventory() if leader else None, None,
+                     lambda got: self._plan(hosts, got, durable_step, judge, step, root_newest))
         self.restorable = list(plan["restorable"])
         self.passed = {}
         unfit: dict[int, str] = {int(st): str(why) for st, why in plan["passed"].items()}
