@@ -79,6 +79,7 @@ def _restore_with_a_failing_accept(rank: int, world: int, root: str, base: str) 
     except KeyError as e:
         return f"KeyError {e}"
     except shardpoint.ShardpointError as e:
+        assert rank != 0 or isinstance(e.__cause__, KeyError), repr(e.__cause__)
         return f"ShardpointError {e}"
     return "restored"
 
@@ -93,7 +94,7 @@ def test_an_accept_that_raises_on_rank_0_reaches_every_rank(tmp_path: Path) -> N
         run_ranks(_train_memory_only, 2, root, base, timeout=240)
         got = run_ranks(_restore_with_a_failing_accept, 2, root, base, timeout=120,
                         env={"SHARDPOINT_GROUP_TIMEOUT": "600"})
-        assert got[0] == "KeyError 'loss'", got
+        assert got[0] == "ShardpointError rank 0 failed: KeyError: 'loss'", got  # the KeyError is its __cause__
         assert got[1].startswith("ShardpointError rank 0 failed, so this collective call failed on every rank") \
             and "KeyError: 'loss'" in got[1], got
     finally:
