@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
+import msgspec
 import torch
 
 from ..runtime import PROCESS
@@ -23,8 +24,10 @@ from .datafile import dtype_from_name
 from .layouts import MEMO_MAX, expand
 
 
-class ChunkLoc(NamedTuple):
-    """Where one saved chunk's bytes lie."""
+class ChunkLoc(msgspec.Struct, frozen=True, order=True, gc=False):
+    """Where one saved chunk's bytes lie. Sorts by file, then offset. A
+    :class:`msgspec.Struct`: a load makes one per chunk it reads, and a Struct is
+    made in C in a third of a NamedTuple's time."""
 
     file: str
     """The data file to read: one of the checkpoint's, or a reference ``../<folder>/<file>``."""
