@@ -151,7 +151,7 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     name, one look-up and its job."""
     jobs: list[ReadJob] = []
     add = jobs.append
-    known: dict[tuple[str, tuple[Box, ...]], list[_Step]] = {}
+    known: dict[tuple[bytes, tuple[Box, ...]], list[_Step]] = {}
     find, indexes = locator.find, locator.indexes
     for t in targets:
         spec = t.spec
