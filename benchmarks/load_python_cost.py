@@ -10,6 +10,10 @@ those loads. Prints millions of instructions per load. Repeated runs agree to ab
 
     OMP_NUM_THREADS=1 PYTHONPATH=src:. python benchmarks/load_python_cost.py [--loads 3]
 
+With ``--phases``, each load's parts are counted apart as well (a dump of the
+counters at each part's start and end, their own cost measured and taken off): the
+functions of ``shardpoint.load.pipeline`` named in ``PHASES`` (those the code has).
+
 Needs valgrind (Debian's package); without it, prints the wall time instead.
 To compare two commits, run it with ``PYTHONPATH`` pointing at each one's ``src``.
 """
@@ -60,7 +64,41 @@ def _save(rank: int, world: int, path: str) -> None:
     shardpoint.save(_state(world, 0, True), path)
 
 
-def _worker(path: str, loads: int, counted: bool) -> None:
+#: The parts of a load counted apart with ``--phases``: (name, function of shardpoint.load.pipeline).
+PHASES = [
+    ("manifest parse", "read_manifest"),
+    ("walk and key check", "_prepare"),
+    ("read planning, own tensors", "_plan_ahead"),
+    ("read planning, read, place", "_read_and_fill"),
+]
+
+
+def _dump(label: str) -> None:
+    subprocess.run(["callgrind_control", "-d", label, str(os.getpid())], check=True, capture_output=True)
+
+
+def _phased() -> None:
+    """Wrap each function of ``PHASES`` in dumps of the counters at its start and end."""
+    import functools
+
+    from shardpoint.load import pipeline
+
+    for name, attr in PHASES:
+        fn = getattr(pipeline, attr, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
+            _dump("before")
+            try:
+                return _fn(*a, **k)
+            finally:
+                _dump("phase:" + _name)
+
+        setattr(pipeline, attr, functools.wraps(fn)(wrapped))
+
+
+def _worker(path: str, loads: int, counted: bool, phases: bool = False) -> None:
     """One rank: load once (warm), then ``loads`` times with the reads stubbed out."""
     import torch.distributed as dist
     from tests._dist import free_port
@@ -81,6 +119,15 @@ def _worker(path: str, loads: int, counted: bool) -> None:
     for _ in range(loads):
         shardpoint.load(state, path)
     dt = time.perf_counter() - t
+    if counted and phases:
+        _dump("whole")
+        for _ in range(loads):  # what a dump costs the counters: between two dumps, nothing else
+            _dump("before")
+            _dump("phase:overhead")
+        _phased()
+        for _ in range(loads):
+            shardpoint.load(state, path)
+        _dump("before")
     if counted:
         subprocess.run(["callgrind_control", "-i", "off", str(os.getpid())], check=True, capture_output=True)
     print(f"wall {dt / loads * 1e3:.2f} ms a load", flush=True)
@@ -90,10 +137,11 @@ def _worker(path: str, loads: int, counted: bool) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--loads", type=int, default=3)
+    ap.add_argument("--phases", action="store_true", help="count the parts of a load apart as well")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        _worker(args.worker[0], args.loads, args.worker[1] == "counted")
+        _worker(args.worker[0], args.loads, args.worker[1] == "counted", args.phases)
         return 0
     from tests._dist import run_ranks
 
@@ -103,7 +151,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         ck = os.path.join(d, "ck")
         run_ranks(_save, 2, ck, timeout=600)
-        cmd = [sys.executable, __file__, "--loads", str(args.loads), "--worker", ck, "counted" if counted else "-"]
+        cmd = [sys.executable, __file__, "--loads", str(args.loads), *(["--phases"] if args.phases else []),
+               "--worker", ck, "counted" if counted else "-"]
         if counted:
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={d}/cg.out"] + cmd
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
@@ -112,13 +161,39 @@ def main() -> int:
         if out.returncode != 0:
             print(text[-4000:], file=sys.stderr)
             return 1
+        parts = _parts(d) if counted and args.phases else {}
     print(f"shardpoint {shardpoint.__version__} from {Path(shardpoint.__file__).parent}")
     wall = re.search(r"wall ([0-9.]+) ms", text)
     print(f"wall time a load (under valgrind when counted): {wall.group(1) if wall else '?'} ms")
+    whole = parts.pop("whole", None)
     got = re.search(r"Collected : (\d+)", text)
-    if got:
+    if whole is not None:
+        print(f"a load without its reads: {whole / args.loads / 1e6:.2f} M instructions")
+    elif got:
         print(f"a load without its reads: {int(got.group(1)) / args.loads / 1e6:.2f} M instructions")
+    if parts:
+        over = parts.pop("overhead", 0)
+        for name, _attr in PHASES:
+            if name in parts:
+                print(f"  {name}: {(parts[name] - over) / args.loads / 1e6:.2f} M")
     return 0
+
+
+def _parts(d: str) -> dict[str, int]:
+    """Instructions by label, summed over the dumps of ``--phases`` (those labelled
+    "before" count the time between parts, dropped)."""
+    out: dict[str, int] = {}
+    for f in Path(d).glob("cg.out.*"):
+        text = f.read_text(errors="replace")
+        label = re.search(r"^desc: Trigger: .*?dump\s*(?:\()?([^)\n]*)", text, re.M)
+        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if label is None or total is None:
+            continue
+        name = label.group(1).strip()
+        if name == "whole" or name.startswith("phase:"):
+            key = name.removeprefix("phase:")
+            out[key] = out.get(key, 0) + int(total.group(1))
+    return out
 
 
 if __name__ == "__main__":

@@ -121,10 +121,10 @@ class Process:
     adapters: dict[str, object] = field(default_factory=dict)
     #: Manifest layouts already checked (format.layouts), by layout text: why one is
     #: malformed, or None. Bounded by format.layouts.MEMO_MAX.
-    layout_checks: dict[str, str | None] = field(default_factory=dict)
+    layout_checks: dict[bytes, str | None] = field(default_factory=dict)
     #: Manifest layouts already expanded into their chunks (format.chunks.SavedChunk
     #: tuples, immutable and shared), by layout text.
-    layout_chunks: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    layout_chunks: dict[bytes, tuple[object, ...]] = field(default_factory=dict)
     #: State keys' str segments already escaped (tree.encode_key), by segment. Bounded by
     #: tree.SEGMENTS_MAX.
     key_segments: dict[str, str] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
+import msgspec
 import numpy as np
 import torch
 
@@ -131,14 +132,14 @@ def is_stateful(obj: object) -> TypeGuard[Stateful]:
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
-@dataclass(slots=True)
-class Node:
+class Node(msgspec.Struct):
     """One node of the walked state. ``kind``: dict, list, tuple (containers),
-    stateful, per_rank, tensor, value."""
+    stateful, per_rank, tensor, value. A :class:`msgspec.Struct` (made in C): a walk
+    makes one per leaf and container."""
 
     kind: str
     obj: Any = None  # Any: the walked object of any kind above, used by the load as its kind says
-    children: dict[str | int, Node] = field(default_factory=dict)
+    children: dict[str | int, Node] = msgspec.field(default_factory=dict)
     inner: Node | None = None
 
 

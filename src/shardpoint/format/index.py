@@ -12,9 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, NamedTuple, TypeGuard
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, NamedTuple, TypeGuard
+
+import msgspec
 
 from ..errors import CorruptCheckpointError
+from .chunks import ChunkLoc
 from .datafile import WrittenChunk, crc_count
 
 INDEX_FORMAT = "shardpoint-index"
@@ -69,11 +73,117 @@ class Located(NamedTuple):
     ref: str | None = None
 
 
-def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_size: int, block: int,
-                where: str, refs: dict[str, dict[str, int]] | None = None) -> dict[str, Located]:
+_Count = Annotated[int, msgspec.Meta(ge=0, lt=COUNT_LIMIT)]
+_Crc = Annotated[int, msgspec.Meta(ge=0, lt=_CRC_LIMIT)]
+
+
+class _Plain(msgspec.Struct):
+    """An index whose every chunk is ``[offset, length, [crc32...]]`` (no references):
+    decoded and range-checked in C."""
+
+    format: str
+    file: str
+    chunks: dict[str, tuple[_Count, _Count, list[_Crc]]]
+
+
+class _Any(msgspec.Struct):
+    """Any index: a chunk's record is checked field by field when it is looked up."""
+
+    format: str
+    file: str
+    chunks: dict[str, list[Any]]
+
+
+_PLAIN = msgspec.json.Decoder(_Plain)
+_ANY = msgspec.json.Decoder(_Any)
+_SHAPE_ERROR = "is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]"
+
+
+class Index:
+    """A data file's verified index: its chunks by name, each checked where it is
+    looked up (:meth:`get`: inside the file, one CRC per block, a reference the
+    manifest lists), so a load pays for the chunks it reads, not for every chunk of
+    the file. Made by :func:`parse_index`."""
+
+    __slots__ = ("_bad", "_block", "_chunks", "_data_file", "_file_size", "_refs")
+
+    def __init__(self, chunks: Mapping[str, Sequence[Any]], data_file: str, file_size: int, block: int,
+                 refs: Mapping[str, Mapping[str, int]], bad: Callable[[str], CorruptCheckpointError]) -> None:
+        self._chunks, self._data_file, self._file_size = chunks, data_file, file_size
+        self._block, self._refs, self._bad = block, refs, bad
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def names(self) -> list[str]:
+        return list(self._chunks)
+
+    def get(self, name: str) -> Located | None:
+        """Where chunk ``name`` lies, checked; None when the index lacks it. Raises
+        :class:`CorruptCheckpointError` when its record is malformed."""
+        rec = self._record(name)
+        return None if rec is None else Located(*rec)
+
+    def locate(self, name: str) -> ChunkLoc | None:
+        """:meth:`get` as the place a reader reads: the file is the data file, or the
+        reference that holds the bytes."""
+        rec = self._chunks.get(name)
+        if type(rec) is tuple:  # [count, count, [crc...]], its types and ranges checked by the decoder
+            off, length, crcs = rec
+            if off + length > self._file_size or len(crcs) != (-(-length // self._block) or 1):
+                self._record(name)  # raises, naming what is wrong
+            return ChunkLoc(self._data_file, off, length, crcs)
+        got = self._record(name)
+        return None if got is None else ChunkLoc(got[3] or self._data_file, got[0], got[1], got[2])
+
+    def _record(self, name: str) -> tuple[int, int, list[int], str | None] | None:
+        rec = self._chunks.get(name)
+        if rec is None:
+            return None
+        if len(rec) == 3 and type(rec) is tuple:  # decoded as [count, count, [crc...]] already
+            off, length, crcs = rec
+            ref = None
+        else:
+            if not 3 <= len(rec) <= 4:
+                raise self._bad(f"chunk {name!r} {_SHAPE_ERROR}")
+            off, length, crcs = rec[0], rec[1], rec[2]
+            if type(off) is not int or type(length) is not int or type(crcs) is not list \
+                    or not (0 <= off < COUNT_LIMIT and 0 <= length < COUNT_LIMIT):
+                raise self._bad(f"chunk {name!r} {_SHAPE_ERROR}")
+            for c in crcs:
+                if type(c) is not int or not 0 <= c < _CRC_LIMIT:
+                    raise self._bad(f"chunk {name!r} must list {crc_count(length, self._block)} block checksums")
+            ref = rec[3] if len(rec) == 4 else None
+        if ref is not None:
+            known = self._refs
+            if not isinstance(ref, str) or ref not in known:
+                raise self._bad(f"chunk {name!r} refers to {str(ref)[:120]!r}, which the manifest's 'refs' does not list")
+            if off + length > known[ref]["size"]:
+                raise self._bad(f"chunk {name!r} lies beyond the end of the referenced {ref} "
+                                f"({off + length} > {known[ref]['size']} bytes)")
+        elif off + length > self._file_size:
+            raise self._bad(f"chunk {name!r} lies beyond the end of {self._data_file} ({off + length} > "
+                            f"{self._file_size} bytes)")
+        if len(crcs) != (-(-length // self._block) or 1):
+            raise self._bad(f"chunk {name!r} must list {crc_count(length, self._block)} block checksums")
+        return off, length, crcs, ref
+
+    def items(self) -> list[tuple[str, Located]]:
+        """Every chunk, checked."""
+        out = []
+        for name in self._chunks:
+            loc = self.get(name)
+            assert loc is not None
+            out.append((name, loc))
+        return out
+
+
+def parse_index(data: bytes, *, data_file: str, expect: Mapping[str, Any], file_size: int, block: int,
+                where: str, refs: Mapping[str, Mapping[str, int]] | None = None) -> Index:
     """Check an index's bytes against the manifest's record (size and SHA-256) before
-    parsing anything, then every entry: offsets inside the data file, one CRC per
-    block. Raises :class:`CorruptCheckpointError` naming ``where``."""
+    parsing anything, then its structure; each entry (offsets inside the data file,
+    one CRC per block) is checked when it is looked up (:meth:`Index.get`). Raises
+    :class:`CorruptCheckpointError` naming ``where``."""
 
     def bad(msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -83,42 +193,21 @@ def parse_index(data: bytes, *, data_file: str, expect: dict[str, Any], file_siz
     data = bytes(data)
     if len(data) != expect["size"] or digest(data) != expect["sha256"]:
         raise bad(f"its SHA-256 or size ({len(data)} bytes) differs from what the manifest committed")
+    doc: _Plain | _Any
     try:
-        doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
+        doc = _PLAIN.decode(data)
+    except msgspec.ValidationError:  # a reference, or a malformed record: checked where it is looked up
+        try:
+            doc = _ANY.decode(data)
+        except msgspec.ValidationError as e:
+            raise bad(f"not the index of {data_file} ({e})") from None
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise bad(f"not valid JSON ({e})") from None
+    except (msgspec.DecodeError, RecursionError) as e:
         raise bad(f"not valid JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT or doc.get("file") != data_file:
+    if doc.format != INDEX_FORMAT or doc.file != data_file:
         raise bad(f"not the index of {data_file}")
-    chunks = doc.get("chunks")
-    if not isinstance(chunks, dict):
-        raise bad("'chunks' is not an object")
-    out: dict[str, Located] = {}
-    known = refs or {}
-    shape_error = "is not [offset, length, [crc32...]] or [offset, length, [crc32...], reference]"
-    for name, rec in chunks.items():  # one pass of plain comparisons: an index lists every chunk of its file
-        if type(rec) is not list or not 3 <= len(rec) <= 4:
-            raise bad(f"chunk {name!r} {shape_error}")
-        off, length, crcs = rec[0], rec[1], rec[2]
-        if type(off) is not int or type(length) is not int or type(crcs) is not list \
-                or not (0 <= off < COUNT_LIMIT and 0 <= length < COUNT_LIMIT):
-            raise bad(f"chunk {name!r} {shape_error}")
-        ref = rec[3] if len(rec) == 4 else None
-        if ref is not None:
-            if not isinstance(ref, str) or ref not in known:
-                raise bad(f"chunk {name!r} refers to {str(ref)[:120]!r}, which the manifest's 'refs' does not list")
-            if off + length > known[ref]["size"]:
-                raise bad(f"chunk {name!r} lies beyond the end of the referenced {ref} "
-                          f"({off + length} > {known[ref]['size']} bytes)")
-        elif off + length > file_size:
-            raise bad(f"chunk {name!r} lies beyond the end of {data_file} ({off + length} > {file_size} bytes)")
-        want = crc_count(length, block)
-        if len(crcs) != want:
-            raise bad(f"chunk {name!r} must list {want} block checksums")
-        for c in crcs:
-            if type(c) is not int or not 0 <= c < _CRC_LIMIT:
-                raise bad(f"chunk {name!r} must list {want} block checksums")
-        out[name] = Located(off, length, crcs, ref)
-    return out
+    return Index(doc.chunks, data_file, file_size, block, refs or {}, bad)
 
 
 def check_record(rec: Any) -> bool:

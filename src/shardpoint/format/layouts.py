@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from ..runtime import PROCESS
@@ -55,15 +56,19 @@ def _cuts_of(spec: object, n: int) -> list[int] | None:
 MEMO_MAX = 1 << 14
 
 
-def layout_key(entry: Mapping[str, object], shape: Sequence[int], world_size: int) -> str | None:
-    """A text that equal grid or flat layouts (of equal shapes, in jobs of ``world_size``)
-    share, to remember work on one; None for a chunk list (rarely shared)."""
+_KEY = msgspec.json.Encoder()
+
+
+def layout_key(entry: Mapping[str, object], shape: Sequence[int], world_size: int) -> bytes | None:
+    """Bytes that equal grid or flat layouts (of equal shapes, in jobs of ``world_size``)
+    share, to remember work on one; None for a chunk list (rarely shared). Encoded in
+    C (msgspec): a load makes one per tensor entry."""
     if "chunks" in entry:
         return None
-    return f"{'grid' in entry}{'flat' in entry}{list(shape)!r}{entry.get('grid')!r}{entry.get('flat')!r}{world_size}"
+    return _KEY.encode(("grid" in entry, "flat" in entry, shape, entry.get("grid"), entry.get("flat"), world_size))
 
 
-def check(entry: Mapping[str, object], shape: list[int], world_size: int, key: str | None = None) -> str | None:
+def check(entry: Mapping[str, object], shape: list[int], world_size: int, key: bytes | None = None) -> str | None:
     """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
     pieces tile ``shape`` exactly and every rank is one of the saving job's. ``key``:
     the entry's :func:`layout_key`, where the caller has it."""

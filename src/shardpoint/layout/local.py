@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import msgspec
 import numpy as np
 import torch
 
@@ -20,12 +20,12 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
 
 
-@dataclass(slots=True)
-class LocalChunks:
+class LocalChunks(msgspec.Struct, gc=False):
     """What this rank holds of one tensor.
 
     ``views[i]`` is a tensor of shape ``boxes[i].sizes`` that aliases the user's
-    storage (so copying into it loads in place)."""
+    storage (so copying into it loads in place). A :class:`msgspec.Struct` (made in
+    C): a save and a load make one per tensor."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -34,9 +34,16 @@ class LocalChunks:
     numpy: bool = False
 
 
-def chunks_of(key: str, leaf: object) -> LocalChunks:
+#: What :func:`chunks_of` worked out of a DTensor's spec: the spec (kept, so its id stays
+#: its own), the global shape and this rank's box.
+Seen = dict[int, tuple[object, tuple[int, ...], Box]]
+
+
+def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
     """Describe a tensor leaf. Raises ``ValueError`` naming ``key`` for layouts that
-    are not boxes (``Partial``, strided shards)."""
+    are not boxes (``Partial``, strided shards). ``seen``: the boxes of DTensor specs
+    met before in this walk (a model's DTensors share a few specs: FSDP2's parameters
+    of one shape and their optimizer states share one)."""
     if isinstance(leaf, FlatShard):
         stop = leaf.start + leaf.local.numel()
         boxes = flat_range_boxes(leaf.shape, leaf.start, stop)
@@ -54,7 +61,7 @@ def chunks_of(key: str, leaf: object) -> LocalChunks:
     assert isinstance(leaf, torch.Tensor)
     dt = _as_dtensor(leaf)
     if dt is not None:
-        return _dtensor_chunks(key, dt)
+        return _dtensor_chunks(key, dt, seen)
     t = leaf.detach()
     shape = tuple(t.shape)
     return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
@@ -94,7 +101,29 @@ def _box_placements() -> tuple[type, ...]:
     return Shard, Replicate
 
 
-def _dtensor_chunks(key: str, dt: DTensor) -> LocalChunks:
+def _dtensor_chunks(key: str, dt: DTensor, seen: Seen | None) -> LocalChunks:
+    spec = getattr(dt, "_spec", None)
+    got = seen.get(id(spec)) if seen is not None and spec is not None else None
+    if got is None or got[0] is not spec:
+        got = (spec, *_dtensor_box(key, dt))
+        if seen is not None and spec is not None:
+            seen[id(spec)] = got
+    _spec, shape, box = got
+    # DTensor's own attribute: to_local() is an autograd call (~10 us a tensor) for the same storage
+    inner = getattr(dt, "_local_tensor", None)
+    local = inner if isinstance(inner, torch.Tensor) else dt.to_local()
+    if local.requires_grad:  # the same storage either way: a plain alias is enough to copy into
+        local = local.detach()
+    if tuple(local.shape) != box.sizes:
+        raise UsageError(
+            f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
+            f"{tuple(dt.placements)} give {box.sizes}; the layout is not one box and cannot be saved"
+        )
+    return LocalChunks(shape, local.dtype, [box], [local])
+
+
+def _dtensor_box(key: str, dt: DTensor) -> tuple[tuple[int, ...], Box]:
+    """A DTensor's global shape and this rank's box of it."""
     placements = tuple(dt.placements)
     for p in placements:
         if type(p) not in _box_placements():
@@ -104,14 +133,4 @@ def _dtensor_chunks(key: str, dt: DTensor) -> LocalChunks:
             )
     shape = tuple(dt.shape)
     local_shape, offset = _local_box(shape, dt.device_mesh, placements)
-    # DTensor's own attribute: to_local() is an autograd call (~10 us a tensor) for the same storage
-    inner = getattr(dt, "_local_tensor", None)
-    local = inner if isinstance(inner, torch.Tensor) else dt.to_local()
-    if local.requires_grad:  # the same storage either way: a plain alias is enough to copy into
-        local = local.detach()
-    if tuple(local.shape) != local_shape:
-        raise UsageError(
-            f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
-            f"{placements} give {tuple(local_shape)}; the layout is not one box and cannot be saved"
-        )
-    return LocalChunks(shape, local.dtype, [Box(offset, local_shape)], [local])
+    return shape, Box(offset, local_shape)

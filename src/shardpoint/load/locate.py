@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
-from ..format.index import Located, box_at, chunk_name, parse_index
+from ..format.index import Index, box_at, chunk_name, parse_index
 from ..format.manifest import DAMAGED_FIX, MANIFEST_NAME, Manifest
 from ..format.refs import is_ref, split_ref
 from ..storage.base import Delegating, Storage
@@ -55,7 +55,7 @@ def committed(storage: Storage, save_id: str) -> bool:
         return False
 
 
-def read_index(storage: Storage, manifest: Manifest, fname: str) -> dict[str, Located]:
+def read_index(storage: Storage, manifest: Manifest, fname: str) -> Index:
     """The verified index of data file ``fname`` (its bytes must have the size and
     SHA-256 the manifest committed)."""
     rec = manifest.files[fname]["index"]
@@ -139,8 +139,10 @@ class Locator:
 
     storage: Storage
     manifest: Manifest
-    _indexes: dict[str, dict[str, Located]] = field(default_factory=dict)
-    _files: dict[int, tuple[str, dict[str, Located]]] = field(default_factory=dict)  # saving rank -> its file, index
+    _indexes: dict[str, Index] = field(default_factory=dict)
+    _files: dict[int, tuple[str, Index]] = field(default_factory=dict)  # saving rank -> its file, index
+    indexes: dict[int, Index] = field(default_factory=dict)
+    """The indexes read so far, by saving rank (:meth:`find` reads the others)."""
     _boxes: dict[tuple[int, ...], str] = field(default_factory=dict)  # a box's offsets -> their part of a chunk name
 
     def __post_init__(self) -> None:
@@ -151,38 +153,50 @@ class Locator:
         whose chunks are named apart). Raises :class:`CorruptCheckpointError` naming
         the key when the index lacks it or (``check_length``) its length contradicts
         its box."""
-        loc = chunk.loc
         box = chunk.box
+        loc = chunk.loc
         if loc is None:
-            at = self._files.get(chunk.rank)
+            at = self._boxes.get(box.offsets)
             if at is None:
-                at = self._index_of(spec, chunk)
-            fname, idx = at
-            at_box = self._boxes.get(box.offsets)
-            if at_box is None:
-                at_box = self._boxes[box.offsets] = box_at(box.offsets)
-            name = chunk_name(spec.key, box.offsets, per_rank, at=at_box)
-            got = idx.get(name)
-            if got is None:
-                raise CorruptCheckpointError(
-                    f"key {spec.key!r}: chunk {name!r} is not in the index of {fname}; the checkpoint is damaged. "
-                    f"{DAMAGED_FIX}"
-                )
-            loc = ChunkLoc(got.ref or fname, got.offset, got.length, got.crc32)
+                at = self._boxes[box.offsets] = box_at(box.offsets)
+            loc = self.find(spec.key, chunk.rank, chunk_name(spec.key, box.offsets, per_rank, at=at))
         if check_length and loc.length != box.numel * spec.itemsize:
+            raise self.wrong_length(spec, loc, box.numel)
+        return loc
+
+    def find(self, key: str, rank: int, name: str) -> ChunkLoc:
+        """Where the chunk ``name`` of tensor ``key`` that saving rank ``rank`` wrote
+        lies, from that rank's index (read once)."""
+        idx = self._files.get(rank)
+        if idx is None:
+            idx = self._index_of(rank, key)
+        loc = idx[1].locate(name)
+        if loc is None:
             raise CorruptCheckpointError(
-                f"key {spec.key!r}: a chunk in {loc.file} is {loc.length} bytes but its box holds "
-                f"{chunk.box.numel} x {spec.itemsize} bytes; the manifest is damaged. {DAMAGED_FIX}"
+                f"key {key!r}: chunk {name!r} is not in the index of {idx[0]}; the checkpoint is damaged. {DAMAGED_FIX}"
             )
         return loc
 
-    def _index_of(self, spec: TensorSpec, chunk: SavedChunk) -> tuple[str, dict[str, Located]]:
-        """The data file of ``chunk``'s saving rank and its index, read once."""
-        fname, _ = self.manifest.file_end(chunk, spec.key)
+    @staticmethod
+    def wrong_length(spec: TensorSpec, loc: ChunkLoc, numel: int) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"key {spec.key!r}: a chunk in {loc.file} is {loc.length} bytes but its box holds "
+            f"{numel} x {spec.itemsize} bytes; the manifest is damaged. {DAMAGED_FIX}"
+        )
+
+    def _index_of(self, rank: int, key: str) -> tuple[str, Index]:
+        """The data file of saving rank ``rank`` and its index, read once."""
+        fname = self.manifest.file_of_rank(rank)
+        if fname is None:
+            raise CorruptCheckpointError(
+                f"key {key!r}: the manifest places a chunk in the file of rank {rank}, which it does not list; "
+                f"the manifest is damaged. {DAMAGED_FIX}"
+            )
         idx = self._indexes.get(fname)
         if idx is None:
             idx = self._indexes[fname] = read_index(self.storage, self.manifest, fname)
-        at = self._files[chunk.rank] = (fname, idx)
+        at = self._files[rank] = (fname, idx)
+        self.indexes[rank] = idx
         return at
 
     def check_holds(self, spec: TensorSpec) -> None:

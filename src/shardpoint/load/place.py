@@ -23,7 +23,7 @@ from ..format.boxes import Box
 from ..format.chunks import TensorSpec
 from ..format.manifest import Manifest, Tree
 from ..layout import chunks_of
-from ..layout.local import LocalChunks
+from ..layout.local import LocalChunks, Seen
 from ..report import LoadReport
 from ..tree import Node, PerRank, Walk, decode_key, join, matches_prefix
 from .locate import Locator
@@ -83,6 +83,7 @@ class TreeLoad:
         """Keys and shapes, before anything is modified."""
         r = self.report
         tensors, local = self.tree.tensors, self.local
+        seen: Seen = {}
         for key, node in self.walk.leaves.items():
             e = self._entry(key)
             if e is None:
@@ -90,7 +91,7 @@ class TreeLoad:
             if node.kind == "tensor":
                 if e["kind"] != "tensor":
                     raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {e['kind']} in the checkpoint")
-                lc = local[key] = chunks_of(key, node.obj)
+                lc = local[key] = chunks_of(key, node.obj, seen)
                 if lc.shape != tensors[key].shape:
                     raise KeyMismatchError(
                         f"key {key!r}: the checkpoint holds shape {tuple(e['shape'])}, the local tensor has global shape "

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple, NoReturn
 
+import msgspec
 import torch
 
 from ..errors import CorruptCheckpointError, ShardpointError, UsageError
 from ..format.boxes import Box, box_runs
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
 from ..format.datafile import crc32, first_bad_block
+from ..format.index import box_at
 from ..plan.read import plan_reads, tiling_problem
 from ..storage import Storage
 from .locate import Locator
@@ -69,9 +71,10 @@ class Target(NamedTuple):
     fresh: Fresh | None = None
 
 
-class ReadJob(NamedTuple):
+class ReadJob(msgspec.Struct, frozen=True, gc=False):
     """Bytes ``[lo, hi)`` of one saved chunk, to copy into ``dst`` (the part of a target
-    view that ``region`` of the tensor covers)."""
+    view that ``region`` of the tensor covers). A :class:`msgspec.Struct` (made in C:
+    a load makes one per chunk it reads)."""
 
     key: str
     loc: ChunkLoc
@@ -93,9 +96,8 @@ class ReadJob(NamedTuple):
 
 class _Step(NamedTuple):
     """One read operation of a target, in elements and independent of the tensor's
-    dtype and place: tensors of one layout and one local box share their steps."""
+    dtype and place: tensors of one layout and one local boxes share their steps."""
 
-    source: int
     target: int
     region: Box
     first: int
@@ -106,10 +108,20 @@ class _Step(NamedTuple):
     span: int | None
     """Where the region starts in the target's row-major layout (in elements) when it
     is one contiguous range there and in the chunk; else None."""
+    box: Box
+    """The saved chunk's box."""
+    numel: int
+    """Its elements (its bytes are ``numel`` times the item size)."""
+    rank: int
+    """The saving rank whose index holds the chunk (-1: ``loc`` says where it is)."""
+    at: str
+    """Its name after the key (``@o0,o1``)."""
+    loc: ChunkLoc | None
 
 
-def _steps(spec: TensorSpec, boxes: list[Box], targets: list[Box]) -> list[_Step]:
+def _steps(spec: TensorSpec, chunks: tuple[SavedChunk, ...], targets: list[Box]) -> list[_Step]:
     """The read plan of one target (:func:`~shardpoint.plan.read.plan_reads`), checked."""
+    boxes = [c.box for c in chunks]
     if spec.listed:
         why = tiling_problem(boxes, spec.shape)
         if why is not None:
@@ -120,25 +132,27 @@ def _steps(spec: TensorSpec, boxes: list[Box], targets: list[Box]) -> list[_Step
         raise CorruptCheckpointError(f"key {spec.key!r}: the checkpoint's chunks do not cover the tensor") from None
     steps = []
     for op in ops:
-        tbox = targets[op.target]
+        tbox, chunk = targets[op.target], chunks[op.source]
         narrows = () if op.region == tbox else tuple(
             (d, r - o, n) for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes,
                                                                tbox.sizes)) if n != m)
         tfirst, _tlast, _run, truns = box_runs(op.region, tbox)
         span = tfirst if op.runs == 1 and truns == 1 else None
-        steps.append(_Step(op.source, op.target, op.region, op.first, op.last, op.runs == 1, narrows, span))
+        steps.append(_Step(op.target, op.region, op.first, op.last, op.runs == 1, narrows, span, chunk.box,
+                           chunk.box.numel, chunk.rank, box_at(chunk.box.offsets), chunk.loc))
     return steps
 
 
 def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     """The read plan of every target (:func:`~shardpoint.plan.read.plan_reads`), each
-    operation located (:meth:`Locator.locate`) and made a job. Targets of one layout
-    (its key names the shape and the saved boxes) and the same local boxes (a
-    parameter and its optimizer moments) are planned once."""
+    operation located in its rank's index and made a job. Targets of one layout (its
+    key names the shape and the saved boxes) and the same local boxes (a parameter
+    and its optimizer moments) are planned once: what is left per chunk is its
+    name, one look-up and its job."""
     jobs: list[ReadJob] = []
     add = jobs.append
-    known: dict[tuple[str, tuple[Box, ...]], tuple[tuple[SavedChunk, ...], list[_Step]]] = {}
-    locate = locator.locate
+    known: dict[tuple[bytes, tuple[Box, ...]], list[_Step]] = {}
+    find, indexes = locator.find, locator.indexes
     for t in targets:
         spec = t.spec
         if t.fresh is not None:
@@ -147,19 +161,21 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         # a layout (a text naming the shape and the saved boxes; None for listed chunks) and local boxes
         # seen before: the same chunks and the same steps
         memo = None if spec.layout is None else (spec.layout, tuple(t.boxes))
-        hit = known.get(memo) if memo is not None else None
-        if hit is None:
-            chunks = spec.chunks()
-            steps = _steps(spec, [c.box for c in chunks], t.boxes)
+        steps = known.get(memo) if memo is not None else None
+        if steps is None:
+            steps = _steps(spec, spec.chunks(), t.boxes)
             if memo is not None:
-                known[memo] = (chunks, steps)
-        else:
-            chunks, steps = hit
-        size, dtype, key, per_rank = spec.itemsize, spec.dtype, spec.key, t.per_rank
+                known[memo] = steps
+        size, dtype, key = spec.itemsize, spec.dtype, spec.key
+        prefix = "/per_rank/" + key if t.per_rank else key
         bases: list[tuple[torch.Tensor, memoryview | None] | None] = [None] * len(t.views)
         for st in steps:
-            chunk = chunks[st.source]
-            loc = locate(spec, chunk, per_rank)
+            loc = st.loc
+            if loc is None:
+                idx = indexes.get(st.rank)
+                loc = (idx.locate(prefix + st.at) if idx is not None else None) or find(key, st.rank, prefix + st.at)
+            if loc.length != st.numel * size:
+                raise locator.wrong_length(spec, loc, st.numel)
             base = bases[st.target]
             if base is None:  # a parameter may require grad: write its data
                 view = t.views[st.target]
@@ -171,11 +187,11 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             lo, hi = st.first * size, st.last * size
             if out is not None and st.span is not None:  # straight into the target's bytes
                 at = st.span * size
-                add(ReadJob(key, loc, chunk.box, st.region, lo, hi, True, dtype, None, out[at : at + hi - lo]))
+                add(ReadJob(key, loc, st.box, st.region, lo, hi, True, dtype, None, out[at : at + hi - lo]))
                 continue
             for d, start, n in st.narrows:
                 view = view.narrow(d, start, n)
-            add(ReadJob(key, loc, chunk.box, st.region, lo, hi, st.contiguous, dtype, view))
+            add(ReadJob(key, loc, st.box, st.region, lo, hi, st.contiguous, dtype, view))
     return jobs
 
 
@@ -325,7 +341,8 @@ class Reader:
         if j.hi - j.lo <= step:
             return [j]
         cuts = [j.lo, *range((j.lo // step + 1) * step, j.hi, step), j.hi]
-        return [j._replace(lo=lo, hi=hi, out=out[lo - j.lo : hi - j.lo]) for lo, hi in zip(cuts[:-1], cuts[1:])]
+        return [msgspec.structs.replace(j, lo=lo, hi=hi, out=out[lo - j.lo : hi - j.lo])
+                for lo, hi in zip(cuts[:-1], cuts[1:])]
 
     def _batch(self, fname: str, start: int, end: int, members: list[tuple[str, int, int, int, ReadJob]]) -> int:
         """Read bytes ``[start, end)`` of ``fname`` once; check and place every member from them."""
