@@ -135,7 +135,8 @@ def _mutable_module_state(path: Path) -> list[str]:
     that is not a known constant maker."""
     constant_calls = {"TypeVar", "frozenset", "tuple", "int", "float", "str", "bool", "timedelta", "compile",
                       "getLogger", "get", "_env_size", "_env_seconds", "MappingProxyType", "namedtuple", "fromtimestamp",
-                      "Lock"}  # a lock guards state, it holds none
+                      "Lock",  # a lock guards state, it holds none
+                      "Decoder", "Encoder"}  # msgspec's: built once, hold no state (as re.compile's patterns)
     tree = ast.parse(path.read_text())
     mutated: set[str] = set()  # names assigned into or changed by a method anywhere in the module
     for node in ast.walk(tree):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .save import ChunkTable
+    from .table import ChunkTable
 
 #: Ranks the exact column check reads at once (its temporaries stay in cache).
 _BLOCK_RANKS = 128

@@ -20,6 +20,7 @@ import numpy as np
 from . import balance
 from .boxes import grid_cells
 from .grid import Grid, find_grid, spread
+from .table import ChunkTable, row_prod
 
 #: Cells a per-tensor grid check may allocate before falling back to a pairwise check.
 _GRID_CELL_LIMIT = 1 << 22
@@ -31,37 +32,6 @@ class PlanError(ValueError):
     def __init__(self, problems: dict[int, str]) -> None:
         super().__init__("; ".join(f"key {k}: {v}" for k, v in sorted(problems.items())))
         self.problems = problems
-
-
-@dataclass(slots=True)
-class ChunkTable:
-    """One row per chunk held by a rank. ``offsets``/``sizes`` are (n, D) with D the
-    largest tensor rank; a tensor of lower rank pads trailing dims with offset 0,
-    size 1 (and its shape with 1). ``key``, ``rank`` and ``itemsize`` may be any
-    integer type: the coordinator uses the narrowest that holds them (16 million rows
-    of int16, int16 and int8 are 80 MB, not 390 MB of fresh memory to fill)."""
-
-    key: np.ndarray  # integer (n,)  index into the key list
-    rank: np.ndarray  # integer (n,)
-    offsets: np.ndarray  # int64 (n, D)
-    sizes: np.ndarray  # int64 (n, D)
-    itemsize: np.ndarray  # integer (n,)  bytes per element
-
-    def __len__(self) -> int:
-        return int(self.key.shape[0])
-
-    @property
-    def nbytes(self) -> np.ndarray:
-        return _row_prod(self.sizes) * self.itemsize
-
-
-def _row_prod(a: np.ndarray) -> np.ndarray:
-    """``np.prod(a, axis=1)`` for a narrow (n, D) array: column by column, several
-    times faster than a reduction along the short axis."""
-    out = a[:, 0].copy() if a.shape[1] else np.ones(a.shape[0], dtype=a.dtype)
-    for d in range(1, a.shape[1]):
-        out *= a[:, d]
-    return out
 
 
 @dataclass(slots=True)
@@ -230,7 +200,7 @@ def _choose_on_grid(t: ChunkTable, shapes: np.ndarray, world_size: int, grid: Gr
     group = spread(local.reshape(npat, w).T, grid).reshape(w, ncols)
     group += keys.first_group[grid.keys]
     single = (counts[pgroup] == 1).reshape(npat, w).T  # (world, patterns)
-    vol = _row_prod(pt.sizes).reshape(npat, w).T
+    vol = row_prod(pt.sizes).reshape(npat, w).T
     itemsize_sum = np.zeros(npat, dtype=np.int64)
     np.add.at(itemsize_sum, grid.pattern, t.itemsize[:ncols])
     load = (np.where(single, vol, 0) * itemsize_sum).sum(axis=1)
@@ -298,7 +268,7 @@ def _grid_replica_writers(pt: ChunkTable, order: np.ndarray, pgroup: np.ndarray,
     g = pgroup[rows]
     hstart = np.flatnonzero(np.concatenate([[True], g[1:] != g[:-1], [True]]))
     rep = g[hstart[:-1]]  # the replicated pattern groups, ascending: pattern by pattern
-    vol = _row_prod(pt.sizes[first[rep]])
+    vol = row_prod(pt.sizes[first[rep]])
     heavy, empty = np.flatnonzero(vol > 0), np.flatnonzero(vol == 0)
     holders = pt.rank[rows]  # list i (rep[i]'s holders): holders[hstart[i] : hstart[i + 1]]
     sel, key_of = _for_keys(pt.key[first[rep[heavy]]], keys)
@@ -351,7 +321,7 @@ def validate_partition(keys: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
     no overlap. Raises :class:`PlanError` naming the keys that fail."""
     keys = keys.astype(np.int64, copy=False)  # a narrower array would be widened by every searchsorted below
     problems: dict[int, str] = {}
-    vol = _row_prod(sizes)
+    vol = row_prod(sizes)
     nonempty = vol > 0
     if not nonempty.all():
         keys, offsets, sizes, vol = keys[nonempty], offsets[nonempty], sizes[nonempty], vol[nonempty]
