@@ -47,8 +47,8 @@ def write(storage: Storage, fname: str, staged: Staged, incremental: Session | N
                 replicas[row] = replica_digest(loc.crc32)
         rows, names, views = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
     found: dict[str, int] = {}  # key -> what its chunks hold at worst (health.INF, NAN)
-    for name, _loc, _ref in refs:
-        if incremental is not None:
+    if incremental is not None:  # a referenced chunk carries what the save that wrote it found
+        for name, _loc, _ref in refs:
             _note(found, name, incremental.health(name))
     if not names and not refs:
         return WriteStatus(None, replica_rows=tuple(replicas), replica_digests=tuple(replicas.values()),
