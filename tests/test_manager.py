@@ -372,3 +372,21 @@ def test_a_metric_that_is_not_a_number_is_refused_before_anything_is_written(tmp
     with pytest.raises(shardpoint.errors.UsageError, match=r"metrics\['loss'\] = 'abc'"):
         mgr.save(shardpoint.TrainState(model=filled(1.0), rng=False), 1, metrics={"loss": "abc"})
     assert not any(tmp_path.iterdir())
+
+
+def test_keep_best_keeps_the_best_steps_by_a_metric(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """keep_last=1 with keep_best=("loss", 2): the newest step and the two lowest
+    losses stay; a step without the metric or with a NaN is never among the best."""
+    losses = {1: 5.0, 2: 1.0, 3: float("nan"), 4: 3.0, 5: 0.5, 6: 9.0, 7: None}
+    mgr = shardpoint.CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 2))
+    for step, loss in losses.items():
+        mgr.save(shardpoint.TrainState(model=filled(float(step)), rng=False), step,
+                 metrics=None if loss is None else {"loss": loss})
+    assert mgr.all_steps() == [2, 5, 7]
+    top = shardpoint.CheckpointManager(tmp_path / "acc", keep_last=1, keep_best=["acc", 1, "max"])
+    for step, acc in enumerate([0.2, 0.9, 0.5, 0.4]):
+        top.save(shardpoint.TrainState(model=filled(float(step)), rng=False), step, metrics={"acc": acc})
+    assert top.all_steps() == [1, 3]
+    for bad in [("loss",), ("loss", 0), ("loss", 2, "median"), "loss"]:
+        with pytest.raises(shardpoint.errors.UsageError, match="keep_best="):
+            shardpoint.CheckpointManager(tmp_path, keep_best=bad)  # type: ignore[arg-type]

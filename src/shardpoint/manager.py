@@ -5,12 +5,13 @@ from __future__ import annotations
 import builtins
 import functools
 import logging
+import math
 import os
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from types import FrameType
@@ -101,6 +102,28 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _best_policy(given: object) -> tuple[str, int, str] | None:
+    """``keep_best`` as ``(metric, n, "min" | "max")``, checked."""
+    if given is None:
+        return None
+    given = tuple(given) if isinstance(given, list) else given
+    ok = isinstance(given, tuple) and len(given) in (2, 3) and isinstance(given[0], str) and _is_int(given[1]) \
+        and given[1] >= 1 and (len(given) == 2 or given[2] in ("min", "max"))
+    if not ok:
+        raise UsageError(f"keep_best={given!r}: give (metric, n) to keep the n lowest, or (metric, n, 'max') to keep "
+                         "the n highest, e.g. keep_best=('loss', 3)")
+    assert isinstance(given, tuple)
+    return (given[0], given[1], given[2] if len(given) == 3 else "min")
+
+
+def _best(infos: Sequence[CheckpointInfo], metric: str, n: int, mode: str) -> builtins.list[int]:
+    """The steps of the ``n`` best of ``infos`` by ``metric`` (lowest with ``min``)."""
+    scored = [(i.metrics[metric], i.step) for i in infos
+              if i.damaged is None and metric in i.metrics and not math.isnan(i.metrics[metric])]
+    scored.sort(key=lambda vs: vs[0] if mode == "min" else -vs[0])
+    return [s for _, s in scored[:n]]
+
+
 def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] | None:
     """Folder -> the data files in it that the committed checkpoints in ``folders``
     (under ``root``) refer to; None when one of their manifests cannot be read."""
@@ -146,6 +169,9 @@ class CheckpointManager:
         root: a directory or URL.
         keep_last: keep the newest N committed checkpoints (None: keep all).
         keep_every: also keep every checkpoint whose step is a multiple of K.
+        keep_best: also keep the N best checkpoints by a metric given to :meth:`save`:
+            ``("loss", 3)`` keeps the three lowest losses, ``("accuracy", 3, "max")`` the
+            three highest; a step without the metric (or with a NaN) is never among them.
         incremental: store chunks whose bytes equal what this manager's previous save
             (in this process) wrote by reference to that save's data file instead of
             writing them again: a frozen base is written once. Each checkpoint still
@@ -183,6 +209,7 @@ class CheckpointManager:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: tuple[str, int] | tuple[str, int, str] | None = None,
         process_group: ProcessGroup | None = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
@@ -209,6 +236,7 @@ class CheckpointManager:
         self.storage: Storage = storage_for(root, storage_options)
         self.root = self.storage.url
         self.keep_last, self.keep_every, self.save_every = keep_last, keep_every, save_every
+        self.keep_best = _best_policy(keep_best)
         #: Called on every rank with what each save (:class:`~shardpoint.report.SaveStats`) and
         #: restore (:class:`~shardpoint.report.LoadStats`) cost on that rank.
         self.on_event = on_event
@@ -478,6 +506,8 @@ class CheckpointManager:
             keep.update(sorted(steps)[-self.keep_last :])
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None:
+            keep.update(_best(committed, *self.keep_best))
         committed_names = {self.step_dir(i.step) for i in committed}
         ahead = {self.step_dir(i.step) for i in found if i.step > newest}
         doomed = [name for name in self.storage.list_dirs() if (m := STEP_FOLDER.match(name)) and int(m.group(1)) != newest
@@ -843,4 +873,5 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "
+                f"keep_best={self.keep_best}, "
                 f"incremental={self.incremental})")
