@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
@@ -15,7 +15,7 @@ from .errors import UsageError
 from .format.manifest import PlainValue, decode_value
 from .load.locate import read_manifest
 from .load.pipeline import LoadOptions, load_state, read_whole
-from .report import LoadReport
+from .report import LoadReport, SaveStats
 from .saving.handle import SaveHandle
 from .saving.pipeline import SaveOptions, save_state
 from .storage import Storage, storage_for
@@ -39,6 +39,7 @@ def save(
     overlap: bool = False,
     storage_options: dict[str, Any] | None = None,
     tag: str | None = None,
+    on_stats: Callable[[SaveStats], None] | None = None,
 ) -> SaveHandle | None:
     """Save ``state`` to ``path``. Collective: every rank of ``process_group`` (default:
     the whole job; no group at all without torch.distributed) calls it with its own
@@ -70,11 +71,14 @@ def save(
         tag: the same string on every rank (a trainer's global step): the ranks then
             meet by path and tag rather than by call order, so a save that some
             ranks skip never meets another save; it is abandoned naming them.
+        on_stats: called on every rank once the save committed, with what it cost
+            there (:class:`~shardpoint.report.SaveStats`: bytes, seconds per stage,
+            the caller's stall); also on ``handle.stats`` with ``blocking=False``.
     """
     if overlap and blocking:
         raise UsageError("overlap=True needs blocking=False: a blocking save has already copied and written the state")
     return save_state(Comm(process_group, timeout, arrival_tag=tag), storage_for(path, storage_options), state,
-                      SaveOptions(overwrite=overwrite), blocking=blocking, overlap=overlap)
+                      SaveOptions(overwrite=overwrite, on_stats=on_stats), blocking=blocking, overlap=overlap)
 
 
 def load(

@@ -96,7 +96,8 @@ def _train(world: int, out: str, dropout: float, stop_at: int | None, resume: bo
         trainer.train(resume_from_checkpoint=True if resume else None)
     listing = sorted(os.listdir(out)) if trainer.args.process_index == 0 else None
     return {"losses": model.losses, "ids": model.ids, "rng": model.rng, "at_k": state.get("at_k"),
-            "misuse": state["misuse"], "listing": listing, "step": trainer.state.global_step}
+            "misuse": state["misuse"], "listing": listing, "step": trainer.state.global_step,
+            "ckpt_logs": [h for h in trainer.state.log_history if "checkpoint_save_seconds" in h]}
 
 
 def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -83,8 +83,34 @@ def _loader(world: int, micro: int | None = None) -> Any:
     return DataLoader(ds, batch_sampler=ElasticBatchSampler(N, GBS, micro or GBS // world, seed=7))
 
 
+def _keeper() -> Any:
+    """A Lightning logger that keeps what it is given (the base run's: the saves' figures)."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    class Keep(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+        @property
+        def name(self) -> str:
+            return "keep"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append((step, dict(metrics)))
+
+    return Keep()
+
+
 def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, fsdp2: bool = False,
-         micro: int | None = None, **strategy_kw: Any) -> tuple[Any, Any]:
+         micro: int | None = None, logger: Any = False, **strategy_kw: Any) -> tuple[Any, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -101,7 +127,7 @@ def _fit(world: int, root: str, steps: int, dropout: float, resume: bool, fsdp2:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1, max_steps=steps, use_distributed_sampler=False,
         strategy=strategy,
-        callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ckpt], logger=logger, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=root, accumulate_grad_batches=GBS // world // (micro or GBS // world),
     )
     with warnings.catch_warnings():
@@ -138,8 +164,10 @@ def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     the same without dropout (its checkpoint is resumed on another world size), and
     the rank-0-only misuse."""
     out: dict[str, Any] = {}
-    _, m = _fit(world, f"{tmp}/base", STEPS, 0.2, False)
+    keep = _keeper()
+    _, m = _fit(world, f"{tmp}/base", STEPS, 0.2, False, logger=keep)
     out["base"] = _result(m)
+    out["logged"] = [(step, row) for step, row in keep.rows if any(k.startswith("checkpoint/") for k in row)]
     _, m = _fit(world, f"{tmp}/run", K, 0.2, False)
     out["first"] = _result(m)
     out["listing"] = sorted(os.listdir(f"{tmp}/run"))

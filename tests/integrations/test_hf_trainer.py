@@ -43,6 +43,12 @@ def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[n
     # by the resumed run's own save at step 9
     assert res[0]["first"]["listing"] == ["checkpoint-3", "checkpoint-6"]
     assert res[0]["resumed"]["listing"] == ["checkpoint-12", "checkpoint-6", "checkpoint-9"]
+    # what each save cost reaches the Trainer's own log (its reporters), at the step it was made
+    for rank, r in enumerate(res):
+        logs = r["base"]["ckpt_logs"]
+        assert [h["step"] for h in logs] == [3, 6, 9, 12], logs
+        assert all(h["checkpoint_save_seconds"] >= h["checkpoint_stall_seconds"] > 0 for h in logs), logs
+        assert all(("checkpoint_gb" in h) == (rank == 0) for h in logs), logs
 
 
 @pytest.mark.timeout(500)

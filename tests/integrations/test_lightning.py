@@ -54,6 +54,12 @@ def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[n
     # ModelCheckpoint's naming and top-k removal work on checkpoint directories
     assert res[0]["listing"] == ["epoch=0-step=6.ckpt", "last.ckpt"]
     assert res[0]["listing_after"] == ["epoch=1-step=12.ckpt", "last.ckpt"]
+    # what each save cost reaches the Trainer's loggers (rank 0's figures, at the step it was made)
+    logged = res[0]["logged"]
+    assert [step for step, _ in logged] and all(step % 3 == 0 for step, _ in logged), logged
+    assert all(row["checkpoint/save_seconds"] >= row["checkpoint/stall_seconds"] > 0 and row["checkpoint/gb"] > 0
+               for _, row in logged), logged
+    assert res[1]["logged"] == []  # Lightning's loggers write on rank 0 only
 
 
 @pytest.mark.timeout(500)

@@ -61,6 +61,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .. import api
 from ..elastic import ElasticBatchSampler
 from ..errors import ShardpointError
+from ..report import SaveStats
 from ..state import TrainState
 from ._trainer import apply_rng, capture_rng, step_tag
 
@@ -155,7 +156,18 @@ class ShardpointStrategyMixin:
         state = self._train_state("optimizer_states" in checkpoint, rest if self.is_global_zero else {})
         # the save's one arrival, keyed by the step: a save only rank 0 makes never meets the next one
         api.save(state, path, overwrite=True, timeout=self.checkpoint_timeout, storage_options=storage_options,
-                 tag=step_tag(checkpoint.get("global_step", "")))
+                 tag=step_tag(checkpoint.get("global_step", "")), on_stats=self._sp_log_stats)
+
+    def _sp_log_stats(self, stats: SaveStats) -> None:
+        """What the save cost (rank 0's figures), into the Trainer's own loggers
+        (TensorBoard, CSV, W&B, ...), at the step it was made."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or stats.rank != 0:
+            return
+        logs = {"checkpoint/save_seconds": stats.wall_s, "checkpoint/stall_seconds": stats.stall_s,
+                "checkpoint/gb": (stats.checkpoint_bytes or 0) / 1e9}
+        for logger in trainer.loggers:
+            logger.log_metrics(logs, step=trainer.global_step)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load on every rank (collective), in place, from a checkpoint saved on any

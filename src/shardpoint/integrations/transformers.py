@@ -64,6 +64,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .. import api
 from ..collective import Comm
 from ..errors import ShardpointError, UsageError
+from ..report import SaveStats
 from ..state import TrainState
 from ..storage import storage_for
 from ..tree import Stateful
@@ -177,9 +178,17 @@ class ShardpointTrainer(Trainer):
             state = self._sp_prepare_save(trial, step, output_dir, run_dir)
         except Exception as e:  # noqa: BLE001 - fanned out by the save: the other ranks are waiting in it
             state = Unsaveable(e)
-        api.save(state, output_dir, overwrite=True, timeout=self.checkpoint_timeout, tag=tag)
+        api.save(state, output_dir, overwrite=True, timeout=self.checkpoint_timeout, tag=tag, on_stats=self._sp_log_stats)
         if self.args.should_save:
             self._sp_rotate(run_dir, newest=output_dir)
+
+    def _sp_log_stats(self, stats: SaveStats) -> None:
+        """What the save cost, into the Trainer's own log (its reporters: TensorBoard,
+        W&B, ...): seconds, the seconds training waited, and (rank 0) the checkpoint's GB."""
+        logs = {"checkpoint_save_seconds": stats.wall_s, "checkpoint_stall_seconds": stats.stall_s}
+        if stats.checkpoint_bytes is not None:
+            logs["checkpoint_gb"] = stats.checkpoint_bytes / 1e9
+        self.log(logs)
 
     def _sp_prepare_save(self, trial: object, step: int, output_dir: str, run_dir: str) -> TrainState:
         """What a save does once every rank arrived, before the core's save: the
