@@ -25,8 +25,33 @@ class Counter:
         self.step = int(sd["step"])
 
 
+def _keeper() -> Any:
+    """An Accelerate tracker that keeps what it is given (the base run's: the saves' figures)."""
+    from accelerate.tracking import GeneralTracker
+
+    class Keep(GeneralTracker):
+        name = "keep"
+        requires_logging_directory = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict[str, float]] = []
+
+        @property
+        def tracker(self) -> Any:
+            return self.rows
+
+        def store_init_configuration(self, values: dict[str, Any]) -> None:
+            pass
+
+        def log(self, values: dict[str, float], step: int | None = None, **kwargs: Any) -> None:
+            self.rows.append(dict(values))
+
+    return Keep()
+
+
 def _run(world: int, root: str, dropout: float, stop_at: int, resume: str | None, misuse: bool = False,
-         exclude: list[str] | None = None) -> dict[str, Any]:
+         exclude: list[str] | None = None, tracker: Any = None) -> dict[str, Any]:
     from accelerate import Accelerator, DataLoaderConfiguration
 
     import shardpoint
@@ -36,7 +61,10 @@ def _run(world: int, root: str, dropout: float, stop_at: int, resume: str | None
     # the scheduler counts optimizer steps (by default Accelerate steps it once per process per step,
     # so its position would depend on the number of processes)
     acc = Accelerator(cpu=True, step_scheduler_with_optimizer=False,
-                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7))
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7),
+                      log_with=[tracker] if tracker is not None else None)
+    if tracker is not None:
+        acc.init_trackers("shardpoint-test")
     model = Net(dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
@@ -83,7 +111,9 @@ def _run(world: int, root: str, dropout: float, stop_at: int, resume: str | None
 
 
 def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    out = {"base": _run(world, f"{tmp}/base", 0.2, STEPS, None)}
+    keep = _keeper()
+    out = {"base": _run(world, f"{tmp}/base", 0.2, STEPS, None, tracker=keep)}
+    out["logged"] = [row for row in keep.rows if any(k.startswith("checkpoint/") for k in row)]
     out["first"] = _run(world, f"{tmp}/run", 0.2, K, None, misuse=True)
     out["resumed"] = _run(world, f"{tmp}/run", 0.2, STEPS, f"{tmp}/run/step_{K}")
     out["base0"] = _run(world, f"{tmp}/base0", 0.0, STEPS, None)

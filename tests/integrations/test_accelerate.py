@@ -38,6 +38,12 @@ def test_resume_on_the_same_ranks_is_exact(two_ranks) -> None:  # type: ignore[n
         assert resumed["step"] == STEPS  # a registered object
     ids = global_ids([r["base"]["ids"] for r in res])
     assert sorted(sum(ids[:8], [])) == list(range(64))
+    # what each save cost reaches the accelerator's trackers (rank 0's figures; trackers log on the main process)
+    logged = res[0]["logged"]
+    assert len(logged) == STEPS // 3, logged
+    assert all(row["checkpoint/save_seconds"] >= row["checkpoint/stall_seconds"] > 0 and row["checkpoint/gb"] > 0
+               for row in logged), logged
+    assert res[1]["logged"] == []
 
 
 @pytest.mark.timeout(500)

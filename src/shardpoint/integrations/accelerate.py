@@ -53,7 +53,7 @@ import torch
 
 from .. import api
 from ..errors import ShardpointError
-from ..report import LoadReport
+from ..report import LoadReport, SaveStats
 from ..state import TrainState
 from ..tree import Stateful
 from ._trainer import apply_rng, capture_rng
@@ -186,7 +186,18 @@ def save_state(accelerator: _Accelerator, output_dir: str | os.PathLike[str], *,
     path = os.fspath(output_dir)
     # ranks meet by path (the tag), not by call order: a save only the main process makes is
     # abandoned naming the others, and never meets the next save of the whole job
-    api.save(_train_state(accelerator, rng), path, overwrite=overwrite, timeout=timeout, tag="accelerate save_state")
+    api.save(_train_state(accelerator, rng), path, overwrite=overwrite, timeout=timeout, tag="accelerate save_state",
+             on_stats=lambda stats: _log_stats(accelerator, stats))
+
+
+def _log_stats(accelerator: object, stats: SaveStats) -> None:
+    """What the save cost (rank 0's figures), to the accelerator's trackers when it has
+    any (``Accelerator(log_with=...)`` and ``init_trackers``)."""
+    log = getattr(accelerator, "log", None)
+    if stats.rank != 0 or not getattr(accelerator, "trackers", None) or not callable(log):
+        return
+    log({"checkpoint/save_seconds": stats.wall_s, "checkpoint/stall_seconds": stats.stall_s,
+         "checkpoint/gb": (stats.checkpoint_bytes or 0) / 1e9})
 
 
 def load_state(accelerator: _Accelerator, input_dir: str | os.PathLike[str], *, rng: bool | int = True,
