@@ -609,7 +609,8 @@ def test_save_offline_compares_replicas_and_names_the_key(tmp_path: Path) -> Non
         for r in range(2):
             yield r, {"shared": torch.ones(3) + (r if differ else 0), "mine": shardpoint.PerRank(torch.full((2,), float(r)))}
 
-    with pytest.raises(ShardpointError, match=r"key 'shared' is replicated but its bytes differ between ranks \(ranks \[0\]; ranks \[1\]"):
+    with pytest.raises(shardpoint.errors.RankMismatchError,
+                       match=r"key 'shared' is replicated but its bytes differ between ranks \(ranks \[0\]; ranks \[1\]"):
         save_offline(ranks(True), tmp_path / "bad", world_size=2)
     assert not (tmp_path / "bad" / "manifest.json").exists() and not list((tmp_path / "bad").glob("r*"))
     save_offline(ranks(False), tmp_path / "good", world_size=2)

@@ -106,7 +106,7 @@ def test_a_tensor_changed_during_the_copy_fails_the_save_and_commits_nothing(tmp
     mgr.save(state, 2, blocking=False, overlap=True)
     b.add_(1)  # not an optimizer step: nothing waits for the copy
     release.set()
-    with pytest.raises(shardpoint.ShardpointError, match="'extra/b' was modified while the overlapped save") as e:
+    with pytest.raises(shardpoint.errors.SaveAbortedError, match="'extra/b' was modified while the overlapped save") as e:
         mgr.wait()
     assert "extra/w" not in str(e.value)
     assert not (tmp_path / "step-00000002" / "manifest.json").exists()

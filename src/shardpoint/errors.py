@@ -21,6 +21,9 @@ __all__ = [
     "ObjectStoreError",
     "CheckpointExistsError",
     "FencedError",
+    "RankMismatchError",
+    "SaveAbortedError",
+    "UnsupportedCheckpointError",
 ]
 
 
@@ -90,6 +93,26 @@ class UnsupportedTypeError(ShardpointError, TypeError):
 
 class SaveTimeoutError(ShardpointError, TimeoutError):
     """A wait on an asynchronous save's handle ran out of time; the save goes on."""
+
+
+class RankMismatchError(ShardpointError):
+    """The ranks' states disagree where they must agree: a key is a tensor on one rank
+    and a value on another, a tensor's global shape or dtype differs, a replicated
+    value or tensor holds different bytes (a diverged run), or the ranks run different
+    shardpoint versions. The message names the key and the ranks."""
+
+
+class SaveAbortedError(ShardpointError):
+    """A save was abandoned and committed nothing because what it was writing changed
+    under it: a file it wrote (or one an incremental save refers to) was removed or
+    replaced before the commit, or a saved tensor changed during an overlapped copy.
+    Earlier checkpoints are untouched; save again."""
+
+
+class UnsupportedCheckpointError(ShardpointError):
+    """A converter met a checkpoint of another format that it does not read (a
+    model-parallel DeepSpeed checkpoint, DCP transforms, a file that needs pickled code
+    to load). The message says what is not supported and what to do instead."""
 
 
 class ObjectStoreError(ShardpointError):

@@ -257,6 +257,7 @@ def test_a_commit_whose_data_file_vanished_commits_nothing(tmp_path: Path) -> No
     gone = results[0]["gone"][0]
     for res in results:
         assert res["err"] is not None, res
+        assert res["err"][0] == "SaveAbortedError", res["err"]  # the same class on every rank
         assert f"{tmp_path}/ckpt/{gone} is missing, so the checkpoint was not committed" in res["err"][1], res["err"]
         assert "manifest.json" not in res["listing"] and not any(f.startswith("r00000-") for f in res["listing"]), res
 

@@ -32,7 +32,12 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ShardpointError,
+    UnsupportedCheckpointError,
+)
 from ..layout import FlatShard
 from ..tree import decode_key, encode_key
 from ._progress import Progress
@@ -85,7 +90,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if full not in SAFE_CLASSES:
-            raise ShardpointError(
+            raise UnsupportedCheckpointError(
                 f"{self.where}: refusing to unpickle {full}: it is not one of the classes DCP puts in its "
                 "metadata, and unpickling an unknown class can run arbitrary code. The file is not a DCP "
                 "checkpoint's .metadata, or it was tampered with; do not load it with torch.distributed.checkpoint "
@@ -136,7 +141,7 @@ def _contiguous_start(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: t
 def _blob(root: str, info: _StorageInfo, where: str) -> object:
     descriptors = getattr(info, "transform_descriptors", None)  # absent from older torch's _StorageInfo
     if descriptors:
-        raise ShardpointError(
+        raise UnsupportedCheckpointError(
             f"{where} is stored with DCP transforms {list(descriptors)} (compression or encryption), "
             "which this importer does not read; load the checkpoint with torch.distributed.checkpoint and save it "
             "again without extensions"
@@ -147,7 +152,7 @@ def _blob(root: str, info: _StorageInfo, where: str) -> object:
     if len(data) != info.length:
         raise CorruptCheckpointError(f"{info.relative_path} is truncated: {where} needs bytes {info.offset}..{info.offset + info.length}")
     if not data.startswith(b"PK"):
-        raise ShardpointError(
+        raise UnsupportedCheckpointError(
             f"{where} in {info.relative_path} is not a torch.save blob: the checkpoint was written with another DCP "
             "serialization format (e.g. safetensors), which this importer does not read"
         )
@@ -155,7 +160,7 @@ def _blob(root: str, info: _StorageInfo, where: str) -> object:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         names = ", ".join(re.findall(r"GLOBAL ([\w.]+)", str(e))) or "a class"
-        raise ShardpointError(
+        raise UnsupportedCheckpointError(
             f"{where} in {info.relative_path} needs pickled code to load ({names}); only tensors and plain values "
             "are imported, since unpickling a class can run arbitrary code. Load the checkpoint with "
             "torch.distributed.checkpoint where you trust it and save that value as plain types"

@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from ..errors import CheckpointNotFoundError, ShardpointError
+from ..errors import CheckpointNotFoundError, ShardpointError, UnsupportedCheckpointError
 from ..layout import FlatShard
 from ..state import canonical_name
 from ._progress import Progress
@@ -91,7 +91,7 @@ def load_file(path: str) -> Any:  # Any: what DeepSpeed pickled (a dict, read by
             bad = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in SAFE_GLOBALS]
         except Exception:  # noqa: BLE001 - fall back to torch's own message
             bad = re.findall(r"GLOBAL ([\w.]+)", str(e))
-        raise ShardpointError(
+        raise UnsupportedCheckpointError(
             f"{path}: refusing to unpickle {', '.join(bad) or 'an object'}: "
             f"{'it is' if len(bad) == 1 else 'they are'} not among the classes DeepSpeed puts in its checkpoints "
             f"({', '.join(SAFE_GLOBALS)}), and unpickling an unknown class can run arbitrary code. If you trust "
@@ -139,13 +139,13 @@ def inspect(src: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedChe
     names = sorted(os.listdir(folder), key=_natural)
     optim = [n for n in names if re.fullmatch(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt", n)]
     if not optim:
-        raise ShardpointError(
+        raise UnsupportedCheckpointError(
             f"{folder} holds no ZeRO optimizer files (*zero_pp_rank_*_optim_states.pt): it is not a ZeRO stage 1-3 "
             "checkpoint. For ZeRO stage 0, load it with engine.load_checkpoint and save the engine with "
             "shardpoint.integrations.deepspeed.save"
         )
     if any(not n.endswith("mp_rank_00_optim_states.pt") for n in optim):
-        raise ShardpointError(f"{folder}: model-parallel checkpoints (mp_rank > 0) are not supported")
+        raise UnsupportedCheckpointError(f"{folder}: model-parallel checkpoints (mp_rank > 0) are not supported")
     # every name matched the pattern above, so the search finds the rank in each
     by_rank = {int(m.group(1)): os.path.join(folder, n) for n in optim if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
     world = len(by_rank)
@@ -373,7 +373,7 @@ def rank_states(ck: DeepSpeedCheckpoint, progress: bool = False) -> Iterator[tup
                 model_sd = model0
                 state = _zero12_rank(ck, rank, model_sd, cursor)
             if model_sd.get("mp_world_size", 1) not in (1, None):
-                raise ShardpointError(f"{ck.folder}: model-parallel checkpoints (mp_world_size > 1) are not supported")
+                raise UnsupportedCheckpointError(f"{ck.folder}: model-parallel checkpoints (mp_world_size > 1) are not supported")
             yield rank, state
             del state, model_sd
             bar.advance()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
 from ..format.datafile import DTYPES, dtype_name, header_bytes, tensor_bytes
 from ..tree import decode_key
 from ._progress import Progress
@@ -56,7 +56,7 @@ def parse_size(size: int | str) -> int:
         return size
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", size)
     if not m or m.group(2).upper() not in _UNITS:
-        raise ShardpointError(f"cannot read {size!r} as a size; write it like 5GB, 500MB or 2GiB")
+        raise UsageError(f"cannot read {size!r} as a size; write it like 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -115,7 +115,7 @@ def export_hf(
     limit = parse_size(max_shard_size)
     cast = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if dtype is not None and not (isinstance(cast, torch.dtype) and cast.is_floating_point):
-        raise ShardpointError(f"dtype={dtype!r}: pass a floating-point dtype such as bfloat16, float16 or float32")
+        raise UsageError(f"dtype={dtype!r}: pass a floating-point dtype such as bfloat16, float16 or float32")
     rename = _renamer(key_map)
     m = metadata(src, storage_options=storage_options)
     ppath = decode_key(prefix.rstrip("/")) if prefix.strip("/") else ()
@@ -127,11 +127,11 @@ def export_hf(
             continue
         name = rename(".".join(str(s) for s in path[len(ppath):]))
         if name in seen:
-            raise ShardpointError(f"keys {seen[name]!r} and {k!r} both export as {name!r}; change key_map")
+            raise UsageError(f"keys {seen[name]!r} and {k!r} both export as {name!r}; change key_map")
         seen[name] = k
         out = cast if cast is not None and t.dtype.is_floating_point else t.dtype
         if DTYPES.get(dtype_name(out)) is None:
-            raise ShardpointError(f"{k!r} is {dtype_name(out)}, which safetensors cannot store; pass dtype= or leave it out")
+            raise UsageError(f"{k!r} is {dtype_name(out)}, which safetensors cannot store; pass dtype= or leave it out")
         rows.append((k, name, out, t.shape, int(np.prod(t.shape, dtype=np.int64)) * out.itemsize))
     if not rows:
         raise ShardpointError(

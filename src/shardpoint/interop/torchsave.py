@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointNotFoundError, ShardpointError
+from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:
     from ..api import PathLike
@@ -46,7 +46,7 @@ def read_torch(path: str | os.PathLike[str]) -> Any:  # Any: what the file holds
         except Exception:  # noqa: BLE001 - fall back to the names in torch's message
             bad = re.findall(r"GLOBAL ([\w.]+)", str(e))
         names = ", ".join(bad) or "an object torch.load(weights_only=True) does not allow"
-        raise ShardpointError(
+        raise UnsupportedCheckpointError(
             f"{path} needs pickled code to load: it contains {names}, and unpickling a class can run arbitrary "
             "code, so shardpoint reads only tensors and plain values (dict, list, tuple, int, float, str, bool, "
             "None). If you trust the file, re-save it with plain types, e.g.\n"

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardpointError
+from ..errors import SaveAbortedError
 from ..format import datafile
 from ..runtime import PROCESS
 
@@ -346,7 +346,7 @@ def check_versions(keys: Sequence[str], views: Sequence[torch.Tensor], before: S
             continue
         if now != b:
             changed = [k for k, w, c in zip(keys, views, before) if c is not None and w._version != c]
-            raise ShardpointError(
+            raise SaveAbortedError(
                 f"key {key!r} was modified while the overlapped save was copying it (its version counter went "
                 f"from {b} to {now}; {len(changed)} key(s) changed: {changed[:5]}); the save is abandoned and "
                 "nothing was committed. Do not change saved tensors before handle.wait_staged() returns (an "

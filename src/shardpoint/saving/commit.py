@@ -22,7 +22,13 @@ import warnings
 from typing import Any
 
 from ..collective import Comm, coordinate
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SaveAbortedError,
+    ShardpointError,
+)
 from ..format.index import index_name
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.pointer import LATEST, Pointer
@@ -114,7 +120,7 @@ def check_files(storage: Storage, manifest: Manifest) -> None:
         got = there.get(name)
         if got != size:
             state = "is missing" if got is None else f"has {got} bytes, not the {size} its writer wrote"
-            raise ShardpointError(
+            raise SaveAbortedError(
                 f"{storage.url}/{name} {state}, so the checkpoint was not committed (nothing was written). "
                 "Something removed or changed it after it was written: another job or attempt saving into the "
                 "same folder (its retention), or a clean-up outside shardpoint. Save again")

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._gc import gc_paused
 from .._version import __version__
-from ..errors import ShardpointError
+from ..errors import RankMismatchError, ShardpointError
 from ..format import layouts
 from ..format.datafile import CRC_BLOCK, itemsize_of
 from ..format.manifest import Manifest, Tree
@@ -70,7 +70,7 @@ def _unpack(s: str, what: str) -> np.ndarray:
         raw = zlib.decompress(base64.b64decode(data, validate=True))
         return np.frombuffer(raw, dtype=f"<i{int(width)}")
     except (ValueError, TypeError, zlib.error) as e:
-        raise ShardpointError(f"malformed chunk boxes in {what}'s layout message ({e}); "
+        raise RankMismatchError(f"malformed chunk boxes in {what}'s layout message ({e}); "
                               "every rank must run the same shardpoint version") from None
 
 
@@ -118,7 +118,7 @@ def merge_structure(layouts_: list[RankLayout]) -> tuple[dict[str, TensorMeta], 
         if m["containers"] != containers:
             for k, t in m["containers"].items():
                 if containers.setdefault(k, t) != t:
-                    raise ShardpointError(
+                    raise RankMismatchError(
                         f"key {k!r} is a {containers[k]} on some ranks and a {t} on rank {r}; the state's structure "
                         "must agree between ranks")
         tensors = m["tensors"]
@@ -129,7 +129,7 @@ def merge_structure(layouts_: list[RankLayout]) -> tuple[dict[str, TensorMeta], 
             prev = info.setdefault(k, meta)
             first_holder.setdefault(k, r)
             if prev is not meta and (prev["dtype"] != meta["dtype"] or prev["shape"] != meta["shape"]):
-                raise ShardpointError(
+                raise RankMismatchError(
                     f"key {k!r} is a {prev['dtype']} tensor of global shape {prev['shape']} on rank {first_holder[k]} "
                     f"but a {meta['dtype']} of shape {meta['shape']} on rank {r}; every rank must describe the same "
                     "global tensor"
@@ -244,13 +244,13 @@ def merge_values(plan: Plan, values: list[RankValues]) -> dict[str, Encoded]:
     both = set(plan.info) & set(merged)
     if both:
         k = sorted(both)[0]
-        raise ShardpointError(
+        raise RankMismatchError(
             f"key {k!r} is a tensor on some ranks and a plain value on rank {holders[k][repr(merged[k])][0]}; "
             "every rank must hold the same kind of leaf at a key")
     for k, by_value in holders.items():
         if len(by_value) > 1:
             groups = sorted(by_value.values())
-            raise ShardpointError(
+            raise RankMismatchError(
                 f"key {k!r} differs between ranks ({'; '.join('ranks ' + str(g) for g in groups)} hold different values) "
                 "but is saved as replicated; wrap per-rank values in shardpoint.PerRank(...), or make them agree"
             )
@@ -346,7 +346,7 @@ def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     row = int(np.nonzero(plan.group == first)[0][0])
     key = plan.keys[int(plan.table.key[row])]
     holders = "; ".join(f"ranks {sorted(v)}" for v in sorted(by.values()))
-    raise ShardpointError(
+    raise RankMismatchError(
         f"key {key!r} is replicated but its bytes differ between ranks ({holders} hold different data). "
         "Replicas that disagree mean the training state has diverged; if the value is meant to differ "
         "per rank, wrap it in shardpoint.PerRank(...)"

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShardpointError
+from ..errors import SaveAbortedError, ShardpointError
 from ..format.datafile import CRC_BLOCK, WrittenChunk, crc_count, first_bad_block, tensor_bytes
 from ..format.index import Located
 from ..format.refs import split_ref
@@ -175,7 +175,7 @@ def check_refs(storage: Storage, refs: dict[str, dict[str, int]]) -> None:
             size = None
         if size != info["size"]:
             what = "missing" if size is None else f"{size} bytes, not {info['size']}"
-            raise ShardpointError(
+            raise SaveAbortedError(
                 f"incremental save into {storage.url}: the data file {folder}/{fname} it refers to is {what} "
                 "(a step folder was deleted or replaced outside this manager). Nothing was committed; save again: "
                 "the next save writes every chunk"

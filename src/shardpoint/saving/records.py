@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypedDict
 import numpy as np
 import torch
 
-from ..errors import ShardpointError
+from ..errors import RankMismatchError
 from ..report import SaveStats
 from .fence import Owner
 from .incremental import Session
@@ -108,7 +108,7 @@ def _ranges(x: Any, what: str) -> tuple[tuple[int, int], ...]:
     try:
         return tuple((int(a), int(b)) for a, b in x)
     except (TypeError, ValueError):
-        raise ShardpointError(f"malformed {what} in the coordinator's reply; every rank must run the same "
+        raise RankMismatchError(f"malformed {what} in the coordinator's reply; every rank must run the same "
                               "shardpoint version") from None
 
 
@@ -229,7 +229,7 @@ class WriteStatus:
                 nan=tuple(str(k) for k in m.get("nan", ())),
                 roles={str(k): str(v) for k, v in (m.get("roles") or {}).items()})
         except (KeyError, TypeError, ValueError):
-            raise ShardpointError(f"malformed write status from rank {rank}; every rank must run the same "
+            raise RankMismatchError(f"malformed write status from rank {rank}; every rank must run the same "
                                   "shardpoint version") from None
 
 
