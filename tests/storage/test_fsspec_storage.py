@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 import shardpoint.storage.fsspec as fsspec_storage
 from shardpoint.errors import CorruptCheckpointError
@@ -267,3 +268,14 @@ def test_killed_writer_publishes_nothing(store: FsspecStorage, s3_endpoint: S3Se
     assert _versions(s3_endpoint, s3_bucket) == []
     assert not store.exists("rank-0.bin")
     assert s3_endpoint.open_uploads(s3_bucket) == ["run/step-5/rank-0.bin"]
+
+
+def test_a_client_that_cannot_be_made_is_a_usage_error_naming_the_option(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """storage_options that name a profile that does not exist: a UsageError that says
+    which option, not botocore's ProfileNotFound."""
+    import shardpoint
+    from shardpoint.errors import UsageError
+
+    pytest.importorskip("s3fs")
+    with pytest.raises(UsageError, match=r"s3://bucket/x cannot be made from its options: ProfileNotFound.*profile="):
+        shardpoint.save({"w": torch.ones(2)}, "s3://bucket/x", storage_options={"profile": "no-such-profile-here"})

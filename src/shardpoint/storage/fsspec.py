@@ -183,7 +183,13 @@ class FsspecStorage(Storage):
                     if connect is not None and getattr(fs, "async_impl", False):
                         from fsspec.asyn import sync
 
-                        sync(fs.loop, connect)
+                        try:
+                            sync(fs.loop, connect)
+                        except Exception as e:  # noqa: BLE001 - the client's configuration, named below
+                            named = _configuration_error(self.url, e)
+                            if named is e:
+                                raise
+                            raise named from e
                     fs._shardpoint_connected = True
         return fs
 
@@ -437,6 +443,20 @@ class FsspecStorage(Storage):
         if not head or head.endswith(":/"):
             raise CorruptCheckpointError(f"{self.url} is the top of its store: it has no parent location")
         return FsspecStorage(head, _fs=self.fs, _retry=self.retry)
+
+
+def _configuration_error(url: str, e: Exception) -> Exception:
+    """A client that cannot be made from the given options (botocore's ProfileNotFound,
+    NoRegionError, PartialCredentialsError...) as a :class:`UsageError` naming them;
+    anything else as it is."""
+    kind = type(e).__name__
+    if type(e).__module__.startswith("botocore") and kind in (
+            "ProfileNotFound", "NoRegionError", "PartialCredentialsError", "InvalidConfigError", "UnknownCredentialError",
+            "ConfigNotFound", "InvalidRegionError"):
+        return UsageError(f"the object-store client for {url} cannot be made from its options: {kind}: {e}. Fix "
+                          "storage_options (profile=, client_kwargs={'region_name': ...}, key=/secret=) or the AWS_* "
+                          "environment variables")
+    return e
 
 
 def _abandon(f: Any) -> None:
