@@ -497,21 +497,39 @@ def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, invent
 def _balance(units: np.ndarray, demand: np.ndarray, holders: list[list[int]], n_files: int, hosts: int) -> np.ndarray:
     """A holder for each (reader host, file) unit: units with one holder first, then the
     others by demand, largest first, each to its least loaded holder (ties: the one
-    after the reader in host order, so that equal holders are shared round the ring)."""
+    after the reader in host order, so that equal holders are shared round the ring).
+    Then, while a unit of the most loaded host can go to another of its holders and
+    stay below that host's load, it moves (each move lowers the largest load or the
+    number of hosts at it: it ends): on return no unit of the most loaded host can."""
     pick = np.full(len(units), DURABLE, dtype=np.int32)
-    load = [0] * hosts
+    load = np.zeros(hosts, dtype=np.int64)
     dst_of = (units // n_files).tolist()
     file_of = (units % n_files).tolist()
     need = demand.tolist()
     order = sorted(range(len(units)), key=lambda u: (len(holders[file_of[u]]) > 1, -need[u], u))
+    on: list[list[int]] = [[] for _ in range(hosts)]  # units that could go elsewhere, by host
     for u in order:
         cands = holders[file_of[u]]
         if not cands:
             continue
         d = dst_of[u]
-        best = min(cands, key=lambda h: (load[h], (h - d) % hosts))
+        best = min(cands, key=lambda h: (int(load[h]), (h - d) % hosts))
         load[best] += need[u]
         pick[u] = best
+        if len(cands) > 1:
+            on[best].append(u)
+    for _ in range(4 * len(units) + 1):
+        h = int(np.argmax(load))
+        move = next(((u, c) for u in on[h] for c in holders[file_of[u]]
+                     if c != h and load[c] + need[u] < load[h]), None)
+        if move is None:
+            break
+        u, c = move
+        on[h].remove(u)
+        on[c].append(u)
+        load[h] -= need[u]
+        load[c] += need[u]
+        pick[u] = c
     return pick
 
 
