@@ -24,7 +24,8 @@ with the new hosts in the survivors' order (``kept``: a launcher that keeps the 
 order) or in a random order (``shuffled``: a rendezvous that does not). Asserted and
 printed per plan: every host receives (from peers and the durable root) at most 1.1x
 the bytes its ranks' shards occupy; no host serves more than 2x the mean of the hosts
-that serve; planned in under 5 s. "Today" is what the tier's restore moves now: every
+that serve; planned in under 5 s of CPU (one core; the wall time is printed beside it,
+larger when other work shares the core). "Today" is what the tier's restore moves now: every
 present host gets every file of the snapshot it lacks.
 """
 
@@ -100,6 +101,7 @@ def inventories(hosts: int, per_host: int, lost: int, placement: str) -> list[In
 
 def measure(layout: SnapshotLayout, invs: list[Inventory], world: NewWorld, per_host: int) -> dict[str, Any]:
     gc.collect()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     targets = shard0_targets(layout.shape, len(world))
     t1 = time.perf_counter()
@@ -107,6 +109,7 @@ def measure(layout: SnapshotLayout, invs: list[Inventory], world: NewWorld, per_
     t2 = time.perf_counter()
     plan = choose_sources(layout, needs, world, invs)
     t3 = time.perf_counter()
+    cpu = time.process_time() - cpu0
     received, served, needed = plan.received(), plan.served(), plan.needed
     readers = np.unique(world.host)
     present = np.array(sorted(i.host for i in invs))
@@ -120,7 +123,7 @@ def measure(layout: SnapshotLayout, invs: list[Inventory], world: NewWorld, per_
     today = sum(total - held[int(h)] for h in readers)  # every reader host gets every file it lacks
     share = total / len(present)
     return {
-        "ranges": len(plan), "targets_s": t1 - t0, "needs_s": t2 - t1, "sources_s": t3 - t2, "plan_s": t3 - t0,
+        "ranges": len(plan), "targets_s": t1 - t0, "needs_s": t2 - t1, "sources_s": t3 - t2, "plan_s": t3 - t0, "cpu_s": cpu,
         "recv_ratio_max": float(ratio.max()), "recv_max": int(received.max()), "need_max": int(needed.max()),
         "served_max": int(served.max()), "served_over_mean_serving": float(served.max() / mean_serving) if mean_serving else 0.0,
         "served_over_mean_all": float(served.max() / mean_all) if mean_all else 0.0, "serving_hosts": len(serving),
@@ -160,14 +163,14 @@ def main() -> int:
                 m = measure(layout, invs, world, R)
                 m.update(placement=placement, order=order, world=f"{len(new)} x {R}")
                 rows.append(m)
-                print(f"   {placement} {order} {m['world']}: {m['plan_s']:.2f}s", file=sys.stderr)
+                print(f"   {placement} {order} {m['world']}: {m['plan_s']:.2f}s ({m['cpu_s']:.2f}s CPU)", file=sys.stderr)
                 tag = f"{placement}/{order}/{m['world']}"
                 if m["recv_ratio_max"] > 1.1:
                     failures.append(f"{tag}: a host receives {m['recv_ratio_max']:.3f}x its ranks' bytes")
                 if m["served_over_mean_serving"] > 2:
                     failures.append(f"{tag}: a host serves {m['served_over_mean_serving']:.2f}x the mean")
-                if m["plan_s"] > 5:
-                    failures.append(f"{tag}: planned in {m['plan_s']:.1f}s")
+                if m["cpu_s"] > 5:
+                    failures.append(f"{tag}: planned in {m['cpu_s']:.1f}s of CPU")
     md = markdown(rows, H, R, args.tensors, args.lost, layout)
     print(md)
     if args.json:
@@ -179,23 +182,23 @@ def main() -> int:
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f} GB" if x >= 1e8 else f"{x / 1e6:,.1f} MB"
+    return f"{x / 1e12:,.1f} TB" if x >= 1e13 else f"{x / 1e9:,.1f} GB" if x >= 1e8 else f"{x / 1e6:,.1f} MB"
 
 
 def markdown(rows: list[dict[str, Any]], H: int, R: int, n: int, lost: int, layout: SnapshotLayout) -> str:
     lines = [f"### Restore planned: {H} hosts x {R} ranks saved, {n} tensors Shard(0), replicas=1, host {lost} lost "
              f"({_gb(layout.file_size.sum())} snapshot, {len(layout.tensor):,} chunks); one core", "",
-             "| placement | new hosts | new world | ranges | plan s (needs + sources) | max host recv / its ranks' bytes "
+             "| placement | new hosts | new world | ranges | plan s: CPU (wall: needs + sources) | max host recv / its ranks' bytes "
              "| max served / mean of serving hosts (of all) | serving hosts | max served / host share "
              "| network | local | durable | today's restore moves |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['placement']} | {r['order']} | {r['world']} | {r['ranges']:,} | {r['plan_s']:.2f} "
-            f"({r['targets_s'] + r['needs_s']:.2f} + {r['sources_s']:.2f}) | {r['recv_ratio_max']:.3f} "
+            f"| {r['placement']} | {r['order']} | {r['world']} | {r['ranges']:,} | {r['cpu_s']:.2f} ({r['plan_s']:.2f}: "
+            f"{r['targets_s'] + r['needs_s']:.2f} + {r['sources_s']:.2f}) | {r['recv_ratio_max']:.3f} "
             f"| {r['served_over_mean_serving']:.2f} ({r['served_over_mean_all']:.2f}) | {r['serving_hosts']} "
             f"| {r['served_max_over_share']:.2f} | {_gb(r['network'])} | {_gb(r['local'])} | {_gb(r['durable'])} "
-            f"| {_gb(r['today'])} ({r['today'] / max(r['network'], 1):,.0f}x) |")
+            f"| {_gb(r['today'])} ({r['today'] / r['network']:,.0f}x) |" if r["network"] else f"| {_gb(r['today'])} |")
     return "\n".join(lines)
 
 

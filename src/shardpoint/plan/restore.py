@@ -132,11 +132,11 @@ def shard0_targets(shape: np.ndarray, world: int) -> Targets:
     tensor = np.repeat(np.arange(len(shape), dtype=np.int32), held)
     rank = np.arange(m, dtype=np.int64)
     rank -= np.repeat(np.cumsum(held) - held, held)
+    step = np.repeat(full, held)
     offsets = np.zeros((m, shape.shape[1]), dtype=np.int64)
-    start = rank * full[tensor]
-    offsets[:, 0] = start
-    sizes = shape[tensor]
-    sizes[:, 0] = np.minimum(full[tensor], rows[tensor] - start)
+    np.multiply(rank, step, out=offsets[:, 0])
+    sizes = np.repeat(shape, held, axis=0)
+    np.minimum(step, sizes[:, 0] - offsets[:, 0], out=sizes[:, 0])
     return Targets(tensor, rank.astype(np.int32), offsets, sizes)
 
 
@@ -194,12 +194,13 @@ class Needs:
         return int(self.rank.shape[0])
 
 
-def _slabs(offsets: np.ndarray, sizes: np.ndarray, shape: np.ndarray) -> np.ndarray:
-    """Which boxes span every dimension but the first in full (row slabs: one byte range
-    of any slab chunk that holds them)."""
-    if offsets.shape[1] == 1:
-        return np.ones(offsets.shape[0], dtype=bool)
-    return np.all(sizes[:, 1:] == shape[:, 1:], axis=1)
+def _slabs(tensor: np.ndarray, sizes: np.ndarray, numel: np.ndarray, rowel: np.ndarray) -> np.ndarray:
+    """Which boxes (inside their tensors) span every dimension but the first in full:
+    row slabs, one byte range of any slab chunk that holds them. A box inside its
+    tensor spans them all exactly when its elements are its rows times a row's."""
+    if sizes.shape[1] == 1:
+        return np.ones(len(tensor), dtype=bool)
+    return numel == sizes[:, 0] * rowel[tensor]
 
 
 def needed_ranges(layout: SnapshotLayout, targets: Targets) -> Needs:
@@ -210,11 +211,12 @@ def needed_ranges(layout: SnapshotLayout, targets: Targets) -> Needs:
 
     Raises :class:`PlanError` when a target is not covered by the saved chunks."""
     shp = layout.shape
-    c_keep = row_prod(layout.box_sizes) > 0
-    t_keep = row_prod(targets.sizes) > 0
-    bad = np.bincount(layout.tensor[c_keep & ~_slabs(layout.box_offsets, layout.box_sizes, shp[layout.tensor])],
+    rowel = row_prod(shp[:, 1:])
+    c_numel, t_numel = row_prod(layout.box_sizes), row_prod(targets.sizes)
+    c_keep, t_keep = c_numel > 0, t_numel > 0
+    bad = np.bincount(layout.tensor[c_keep & ~_slabs(layout.tensor, layout.box_sizes, c_numel, rowel)],
                       minlength=len(shp))
-    bad += np.bincount(targets.tensor[t_keep & ~_slabs(targets.offsets, targets.sizes, shp[targets.tensor])],
+    bad += np.bincount(targets.tensor[t_keep & ~_slabs(targets.tensor, targets.sizes, t_numel, rowel)],
                        minlength=len(shp))
     slab = bad == 0
     c_sel, t_sel = c_keep & slab[layout.tensor], t_keep & slab[targets.tensor]
@@ -266,36 +268,40 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
     trb = rowbytes[tt]
     i0 = np.searchsorted(gs, tc, "right") - 1
     count = np.searchsorted(gs, td, "left") - i0
+    ge = gs + c1
+    del c1
     if len(tc):  # its first row in a chunk (of its tensor: tensors' rows are disjoint): all of it, chunks tile
-        lost = (i0 < 0) | (tc >= gs[i0] + c1[i0])
+        lost = (i0 < 0) | (tc >= ge[i0])
         if bool(lost.any()):
             raise PlanError({int(tt[np.argmax(lost)]): "a target box is not covered by the saved chunks"})
-    del tt, c1
+    del tt
     m, k = len(tc), int(count.sum())
-    pos = np.cumsum(count) - count
-    row = np.empty(k, dtype=np.int64)  # each piece's first row
-    ci = np.empty(k, dtype=np.intp)
     rank = np.empty(k, dtype=np.int32)
-    rb = np.empty(k, dtype=np.int64)
-    row[pos], ci[pos], rank[pos], rb[pos] = tc, i0, _take(targets.rank, tgts), trb
-    if k > m:  # the targets over several chunks: their later pieces
+    ci = np.empty(k, dtype=np.intp)
+    start = np.empty(k, dtype=np.int64)
+    stop = np.empty(k, dtype=np.int64)
+    trank = _take(targets.rank, tgts)
+    # each target's first piece: from its start to its end or its first chunk's, whichever is first
+    rank[:m], ci[:m] = trank, i0
+    _bytes(tc, np.minimum(td, ge[i0]), trb, delta[i0], start[:m], stop[:m])
+    if k > m:  # the targets over several chunks: their later pieces, from each chunk's start
         multi = np.nonzero(count > 1)[0]
         extra = count[multi] - 1
         rep = np.repeat(multi, extra)
-        j = np.arange(1, k - m + 1) - np.repeat(np.cumsum(extra) - extra, extra)
-        at = pos[rep] + j
-        c = i0[rep] + j
-        row[at], ci[at], rank[at], rb[at] = gs[c], c, rank[pos[rep]], trb[rep]
-        del multi, extra, rep, j, at, c
-    stop = np.empty(k, dtype=np.int64)
-    stop[:-1] = row[1:]
-    stop[pos + count - 1] = td
-    d = delta[ci]
-    row *= rb
-    row += d
-    stop *= rb
-    stop += d
-    return Needs(rank, ci if chunks is None else chunks[ci], row, stop)
+        c = np.repeat(i0[multi] - (np.cumsum(extra) - extra) + 1, extra)
+        c += np.arange(k - m)
+        rank[m:], ci[m:] = trank[rep], c
+        _bytes(gs[c], np.minimum(td[rep], ge[c]), trb[rep], delta[c], start[m:], stop[m:])
+    return Needs(rank, ci if chunks is None else chunks[ci], start, stop)
+
+
+def _bytes(lo: np.ndarray, hi: np.ndarray, rowbytes: np.ndarray, delta: np.ndarray,
+           start: np.ndarray, stop: np.ndarray) -> None:
+    """Rows ``[lo, hi)`` (global) as bytes ``[start, stop)`` of the file, into the arrays given."""
+    np.multiply(lo, rowbytes, out=start)
+    start += delta
+    np.multiply(hi, rowbytes, out=stop)
+    stop += delta
 
 
 def _check_tiling(shp: np.ndarray, ct: np.ndarray, c0: np.ndarray, c1: np.ndarray, gs: np.ndarray) -> None:
@@ -303,7 +309,7 @@ def _check_tiling(shp: np.ndarray, ct: np.ndarray, c0: np.ndarray, c1: np.ndarra
     its tensor, none overlapping the next, their rows adding up to the tensor's."""
     if not len(ct):
         return
-    out = c0 + c1 > shp[ct, 0]
+    out = c0 + c1 > shp[:, 0][ct]
     if bool(out.any()):
         raise PlanError({int(ct[np.argmax(out)]): "a saved chunk lies outside its tensor"})
     over = gs[1:] < gs[:-1] + c1[:-1]
@@ -469,29 +475,37 @@ def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, invent
     source = np.full(len(needs), DURABLE, dtype=np.int32)
     local = holds[dst, file]
     source[local] = dst[local]
-    nbytes = needs.stop - needs.start
-    needed = _sum(dst, nbytes, hosts)
+    start, stop = needs.start, needs.stop
+    needed = _sum(dst, stop - start, hosts)
     if ranges:  # ranges a host holds itself
-        _held_ranges(needs, dst, file, source, ranges, own=True)
+        _held_ranges(start, stop, dst, file, source, ranges, own=True)
     away = np.nonzero(source == DURABLE)[0]
+    if not holder_verifies:  # the reader verifies what it gets from elsewhere: whole blocks travel
+        start, stop = start.copy(), stop.copy()
+        _round_out(layout, needs.chunk, away, start, stop)
     key = dst[away].astype(np.int64) * n_files + file[away]
     units, inverse = _units(key, hosts * n_files)
-    demand = _sum(inverse, nbytes[away], len(units))
+    demand = _sum(inverse, stop[away] - start[away], len(units))
     pick = _balance(units, demand, holders, n_files, hosts)
     source[away] = pick[inverse]
     if ranges:  # ranges peers hold, for what no whole copy is left of
-        _held_ranges(needs, dst, file, source, ranges, own=False)
-    start, stop = needs.start, needs.stop
-    rounded = source == DURABLE if holder_verifies else source != dst
-    if bool(rounded.any()):
-        start, stop = start.copy(), stop.copy()
-        c = needs.chunk[rounded]
-        c0 = layout.offset[c]
-        clen = layout.length[c] if len(c) else np.zeros(0, dtype=np.int64)
-        b = layout.block
-        start[rounded] = c0 + (start[rounded] - c0) // b * b
-        stop[rounded] = np.minimum(c0 + clen, c0 + -(-(stop[rounded] - c0) // b) * b)
+        _held_ranges(start, stop, dst, file, source, ranges, own=False)
+    if holder_verifies:  # the durable root's bytes are checked by their reader
+        durable = np.nonzero(source == DURABLE)[0]
+        if len(durable):
+            start, stop = start.copy(), stop.copy()
+            _round_out(layout, needs.chunk, durable, start, stop)
     return RestorePlan(needs.rank, needs.chunk, file, start, stop, source, world, hosts, needed)
+
+
+def _round_out(layout: SnapshotLayout, chunk: np.ndarray, rows: np.ndarray, start: np.ndarray, stop: np.ndarray) -> None:
+    """Rows ``rows`` of ``start``/``stop`` rounded out, in place, to whole checksum blocks of their chunk."""
+    c = chunk[rows]
+    c0 = layout.offset[c]
+    end = c0 + row_prod(layout.box_sizes[c]) * layout.itemsize[layout.tensor[c]]
+    b = layout.block
+    start[rows] = c0 + (start[rows] - c0) // b * b
+    stop[rows] = np.minimum(end, c0 + -(-(stop[rows] - c0) // b) * b)
 
 
 def _balance(units: np.ndarray, demand: np.ndarray, holders: list[list[int]], n_files: int, hosts: int) -> np.ndarray:
@@ -533,7 +547,7 @@ def _balance(units: np.ndarray, demand: np.ndarray, holders: list[list[int]], n_
     return pick
 
 
-def _held_ranges(needs: Needs, dst: np.ndarray, file: np.ndarray, source: np.ndarray,
+def _held_ranges(start: np.ndarray, stop: np.ndarray, dst: np.ndarray, file: np.ndarray, source: np.ndarray,
                  ranges: dict[tuple[int, int], list[HeldRange]], *, own: bool) -> None:
     """Sources from held byte ranges, for the rows still read from the durable root:
     ``own``: a range the reader's host holds; else any host's covering range."""
@@ -548,7 +562,7 @@ def _held_ranges(needs: Needs, dst: np.ndarray, file: np.ndarray, source: np.nda
     for (h, f), rs in ranges.items():
         by_file.setdefault(f, []).extend((h, r) for r in rs)
     for i in todo.tolist():
-        d, f, s, e = int(dst[i]), int(file[i]), int(needs.start[i]), int(needs.stop[i])
+        d, f, s, e = int(dst[i]), int(file[i]), int(start[i]), int(stop[i])
         for h, r in by_file.get(f, []):
             if (h == d) == own and r.start <= s and e <= r.stop:
                 source[i] = h
