@@ -139,7 +139,7 @@ def test_needs_of_any_layout_hold_every_byte_of_the_boxes(snap, new, data) -> No
         nd = layout.shape.shape[1]
         offs = np.zeros((len(rows), nd), dtype=np.int64)
         sizes = np.ones((len(rows), nd), dtype=np.int64)
-        for i, (t, _r, b) in enumerate(rows):
+        for i, (_t, _r, b) in enumerate(rows):
             offs[i, : len(b.offsets)], sizes[i, : len(b.sizes)] = b.offsets, b.sizes
         targets = Targets(np.array([t for t, _r, _b in rows], dtype=np.int32),
                           np.array([r for _t, r, _b in rows], dtype=np.int32), offs, sizes)

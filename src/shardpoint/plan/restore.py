@@ -267,7 +267,7 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
     del t0, t1
     trb = rowbytes[tt]
     i0 = np.searchsorted(gs, tc, "right") - 1
-    count = np.searchsorted(gs, td, "left") - i0
+    count = _ends(gs, tc, td, i0) - i0
     ge = gs + c1
     del c1
     if len(tc):  # its first row in a chunk (of its tensor: tensors' rows are disjoint): all of it, chunks tile
@@ -295,6 +295,24 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
     return Needs(rank, ci if chunks is None else chunks[ci], start, stop)
 
 
+def _ends(gs: np.ndarray, tc: np.ndarray, td: np.ndarray, i0: np.ndarray) -> np.ndarray:
+    """``np.searchsorted(gs, td, "left")``: the first chunk starting at or after each
+    target's end. Where a target ends where the next begins (Shard(0) targets tile
+    their tensor), that is the next target's first chunk, or the one after it when
+    that one starts before the next target: one binary search for both."""
+    out = np.empty(len(td), dtype=np.intp)
+    if not len(td):
+        return out
+    nxt = np.empty(len(td), dtype=bool)
+    np.equal(td[:-1], tc[1:], out=nxt[:-1])
+    nxt[-1] = False
+    j = i0[1:][nxt[:-1]]
+    out[:-1][nxt[:-1]] = j + (gs[j] < tc[1:][nxt[:-1]])
+    rest = ~nxt
+    out[rest] = np.searchsorted(gs, td[rest], "left")
+    return out
+
+
 def _bytes(lo: np.ndarray, hi: np.ndarray, rowbytes: np.ndarray, delta: np.ndarray,
            start: np.ndarray, stop: np.ndarray) -> None:
     """Rows ``[lo, hi)`` (global) as bytes ``[start, stop)`` of the file, into the arrays given."""
@@ -315,10 +333,11 @@ def _check_tiling(shp: np.ndarray, ct: np.ndarray, c0: np.ndarray, c1: np.ndarra
     over = gs[1:] < gs[:-1] + c1[:-1]
     if bool(over.any()):
         raise PlanError({int(ct[np.argmax(over)]): "saved chunks overlap (the layout does not tile the tensor)"})
-    rows = np.bincount(ct, weights=c1, minlength=len(shp))
-    has = np.bincount(ct, minlength=len(shp)) > 0
-    short = has & (rows != shp[:, 0])
-    if bool(short.any()):
+    has = np.zeros(len(shp), dtype=bool)
+    has[ct] = True
+    if int(c1.sum()) != int(shp[has, 0].sum()):  # inside their tensors, not overlapping: then short somewhere
+        rows = np.bincount(ct, weights=c1, minlength=len(shp))
+        short = has & (rows != shp[:, 0])
         raise PlanError({int(np.argmax(short)): "the saved chunks do not cover the tensor (a gap)"})
 
 
