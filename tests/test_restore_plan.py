@@ -285,8 +285,8 @@ def _assert_locally_balanced(plan: RestorePlan, layout: SnapshotLayout, inventor
 
 def test_spread_placement_shares_a_lost_hosts_reads() -> None:
     """16 hosts x 4 ranks, host 5 lost, restored on the 15 others in a shuffled order:
-    with the ring, host 6 serves host 5's files besides its own; spread over the next 4
-    hosts, no host serves more than 2x the mean, and the busiest serves less."""
+    with the ring, host 6 alone holds host 5's files; spread over the next 4 hosts, no
+    host serves more than 2x the mean, and the busiest serves no more than the ring's."""
     hosts, per = 16, 4
     shape = np.array([[hosts * per * 6, 32]] * 5, dtype=np.int64)
     boxes = shard0_targets(shape, hosts * per)
