@@ -49,9 +49,9 @@ def test_replication_sends_the_state_times_replicas() -> None:
     state = sum(s[2] for specs in saver.values() for s in specs)
     for k in (1, 3):
         moves = replica_plan(h, saver, k)
-        assert sum(m[2] for m in moves) == state * min(k, 1)  # two hosts: at most one other
-        assert all(h.of_rank[m[3]] != h.of_rank[m[4]] and m[5] == f"replicas/{m[1]}" for m in moves)
-    assert {m[3]: m[4] for m in replica_plan(h, saver, 1)} == {0: 2, 1: 3, 2: 0, 3: 1}
+        assert sum(m.size for m in moves) == state * min(k, 1)  # two hosts: at most one other
+        assert all(h.of_rank[m.src] != h.of_rank[m.dst] and m.dst_rel == f"replicas/{m.name}" for m in moves)
+    assert {m.src: m.dst for m in replica_plan(h, saver, 1)} == {0: 2, 1: 3, 2: 0, 3: 1}
     assert drain_parts(h, saver) == {0: saver[0] + saver[1], 1: saver[2] + saver[3]}
 
 
@@ -59,7 +59,8 @@ def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], 
     need = {n: s for n, s in ((n, e["size"]) for n, e in files(world, sid).items())}
     need.update({e["index"]["name"]: 10 for e in files(world, sid).values()})
     return {str(step): {"save_id": sid if man else None, "healthy": True, "nonfinite": [], "manifest": 500 if man else None,
-                        "need": need if man else None, "sha": {}, "have": {n: [s, rel] for n, (s, rel) in have.items()}}}
+                        "need": need if man else None, "sha": {}, "data": sorted(files(world, sid)) if man else [],
+                        "have": {n: [s, rel] for n, (s, rel) in have.items()}}}
 
 
 def host_files(ranks: list[int], sid: str, rel: str = "") -> dict[str, tuple[int, str]]:
@@ -85,20 +86,26 @@ def test_restore_picks_the_newest_step_the_present_hosts_hold_between_them() -> 
     assert restore_plan(a_only, [torn], durable=None)[0] == []
 
 
-def test_restore_fetches_what_a_host_lacks_from_one_that_has_it() -> None:
+def test_restore_fetches_the_manifest_and_indexes_a_host_lacks_from_one_that_has_them() -> None:
     two = Hosts.of(["a", "a", "b", "b"])
     inv_a = inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([2, 3], "s7", "replicas")})
     inv_b = inventory(7, "s7", False, host_files([2], "s7"))  # B lost its manifest and rank 3's file
     [cand], _ = restore_plan(two, [inv_a, inv_b], durable=None)
-    got = {(m[1], m[3] in (0, 1), m[4] in (2, 3), m[5]) for m in cand.fetch}
-    want = {(n, True, True, f"fetched/{n}") for n in [*host_files([0, 1], "s7"), *host_files([3], "s7")]}
+    got = {(m.name, m.src in (0, 1), m.dst in (2, 3), m.dst_rel) for m in cand.fetch}
+    # data files are not fetched whole: the load fetches the byte ranges its ranks read (tiers/peer.py)
+    want = {(n, True, True, f"fetched/{n}") for n in [*host_files([0, 1], "s7"), *host_files([3], "s7")]
+            if n.endswith(".index.json")}
     assert got == want | {(MANIFEST_NAME, True, True, MANIFEST_NAME)}
-    assert cand.fetch[-1][1] == MANIFEST_NAME  # the manifest last
-    # re-draining the restored step: rank 0's host holds all of it once fetched
+    assert cand.fetch[-1].name == MANIFEST_NAME  # the manifest last
+    # re-draining the restored step: each file from the first host that holds it whole (A holds all of it)
     assert redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5) is not None
     step, sid, parts = redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5)  # type: ignore[misc]
     assert (step, sid, list(parts)) == (7, "s7", [0])
     assert redrain_parts(two, [inv_a, inv_b], cand, [5], 5) is None  # already durable
+    # host A holds only its own files: B's part of the redrain comes from B
+    inv_a2 = inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([3], "s7", "replicas")})
+    step, sid, parts = redrain_parts(two, [inv_a2, inv_b], cand, [5, 7], 5)  # type: ignore[misc]
+    assert sorted(parts) == [0, 1] and sorted(s[1] for s in parts[1]) == sorted(host_files([2], "s7"))
 
 
 def test_inventory_never_lists_half_written_files(tmp_path: Path) -> None:
@@ -118,7 +125,7 @@ def test_inventory_never_lists_half_written_files(tmp_path: Path) -> None:
 
 def _transfer(rank: int, world: int, base: str) -> list[str]:
     from shardpoint.collective import Comm
-    from shardpoint.tiers.replicate import BLOCK, transfer
+    from shardpoint.tiers.replicate import BLOCK, Move, transfer
 
     comm = Comm()
     comm.open_side()
@@ -130,19 +137,25 @@ def _transfer(rank: int, world: int, base: str) -> list[str]:
             f.write(bytes(range(256)) * (big // 256) + bytes(big % 256))
         with open(os.path.join(folder, "short"), "wb") as f:
             f.write(b"abc")  # the move says 10 bytes: its sender cannot send it whole
-    moves = [["big", "big", big, 0, 1, "replicas/big"], ["short", "short", 10, 0, 1, "replicas/short"],
-             ["gone", "gone", 4, 0, 1, "replicas/gone"]]
+    moves = [Move("big", "big", big, 0, 1, "replicas/big"), Move("short", "short", 10, 0, 1, "replicas/short"),
+             Move("gone", "gone", 4, 0, 1, "replicas/gone"),
+             # a byte range across a block boundary, served from the middle of the file
+             Move("big", "big", 5000, 0, 1, "ranges/big/piece", offset=BLOCK - 576, src_size=big)]
     problems = transfer(comm, folder, moves)
     return sorted(problems) + sorted(os.listdir(os.path.join(folder, "replicas"))) if rank == 1 else problems
 
 
 def test_transfers_rename_whole_files_only(tmp_path: Path) -> None:
+    from shardpoint.tiers.replicate import BLOCK
+
     base = str(tmp_path)
     sender, receiver = run_ranks(_transfer, 2, base, timeout=100)
     assert len(sender) == 2 and "has 3 bytes, 10 expected" in sender[0] + sender[1]
     assert receiver[-1:] == ["big"] and all("sender could not read it" in p for p in receiver[:-1])
     src, dst = Path(base, "host0", "big").read_bytes(), Path(base, "host1", "replicas", "big").read_bytes()
     assert src == dst and os.stat(Path(base, "host1", "replicas", "big")).st_mode & 0o077 == 0
+    got = Path(base, "host1", "ranges", "big", "piece").read_bytes()
+    assert got == src[BLOCK - 576: BLOCK - 576 + 5000]
 
 
 def test_hosts_travel_as_runs() -> None:

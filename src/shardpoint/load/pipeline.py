@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .._gc import gc_paused
 from ..adapters import LoadHooks
@@ -32,7 +32,7 @@ from ..report import LoadReport, LoadStats, human
 from ..storage import Storage
 from .locate import Locator, committed, read_manifest
 from .place import Collect, TreeLoad, _Selector, build, fill_all, load_per_rank, materialise_tree
-from .read import Reader, ReadJob, plan_jobs
+from .read import FileRange, Reader, ReadJob, plan_jobs, read_ranges
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,8 +50,13 @@ _LOG = logging.getLogger("shardpoint.load")
 
 
 @gc_paused()
-def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -> LoadReport:
-    """Load the checkpoint at ``storage`` into ``state`` on every rank of ``comm``."""
+def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions, fetch: Fetch | None = None) -> LoadReport:
+    """Load the checkpoint at ``storage`` into ``state`` on every rank of ``comm``.
+
+    ``fetch`` (the memory tier's restore): called on every rank, once every read is
+    planned and before any is made, with the byte ranges this rank will read (or the
+    error its planning raised); collective, it brings those ranges to where
+    ``storage`` reads them, and raises on every rank when any rank failed."""
     t0 = time.perf_counter()
     comm.arrive("load", storage.url)
     select = _Selector(options.only, options.exclude)
@@ -77,9 +82,23 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
     assert top is not None and manifest is not None and ahead is not None
     held = _keys_of(merged, manifest)
     t1 = time.perf_counter()
-    # 3. every rank: read its share, fill in place, let the owners settle
+    # 3. every rank: plan the rest of its reads; (a restore from the memory tier) get
+    # the byte ranges it will read to its host; read its share, fill in place, let the owners settle
+    planned: _Planned | None = None
+    err = None
     try:
-        _read_and_fill(top, manifest, select, report, options, held, comm.rank, ahead)
+        planned = _plan_rest(top, manifest, select, report, options, held, comm.rank, ahead)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    if fetch is not None:
+        ranges = None if planned is None else read_ranges(planned.jobs, manifest.crc_block, options.verify)
+        fetch(ranges, err)  # collective: raises on every rank when a rank failed, this one's error first
+    try:
+        if err is not None:
+            raise err
+        assert planned is not None
+        report.bytes_read = _read(planned.reads, planned.jobs, options.verify)
+        fill_all(top, planned.per_rank)
         hooks.after_load(report, comm.rank)
         err = None
     except Exception as e:  # noqa: BLE001
@@ -236,10 +255,29 @@ def _plan_ahead(top: TreeLoad, manifest: Manifest, storage: Storage) -> _Ahead:
         return _Ahead(reads, [], e)
 
 
-def _read_and_fill(top: TreeLoad, manifest: Manifest, select: _Selector, report: LoadReport, options: LoadOptions,
-                   held: set[str], rank: int, ahead: _Ahead) -> None:
-    """Add the created keys and per-rank values to this rank's planned reads, read
-    them verified, and place every value; Stateful objects get ``load_state_dict``."""
+class Fetch(Protocol):
+    """Brings the byte ranges each rank will read to its storage before the reads
+    (:func:`load_state`'s ``fetch``). Collective."""
+
+    def __call__(self, ranges: tuple[list[FileRange], list[FileRange]] | None, error: BaseException | None) -> None:
+        """``ranges``: the bytes this rank's jobs need and the bytes its reader reads
+        (rounded to checksum blocks), by file (:func:`.read.read_ranges`); None with
+        ``error``, what planning raised on this rank."""
+
+
+@dataclass(slots=True)
+class _Planned:
+    """Every read of this rank, planned, and the per-rank values to place."""
+
+    reads: Collect
+    jobs: list[ReadJob]
+    per_rank: list[TreeLoad]
+
+
+def _plan_rest(top: TreeLoad, manifest: Manifest, select: _Selector, report: LoadReport, options: LoadOptions,
+               held: set[str], rank: int, ahead: _Ahead) -> _Planned:
+    """Add the created keys and per-rank values to this rank's planned reads (then
+    read them verified and place every value; Stateful objects get ``load_state_dict``)."""
     if ahead.error is not None:
         raise ahead.error
     if options.strict:
@@ -252,9 +290,7 @@ def _read_and_fill(top: TreeLoad, manifest: Manifest, select: _Selector, report:
         if select(key) and key in top.walk.per_rank:
             per_rank += load_per_rank(key, top.walk.per_rank[key], saved, rank, select, reads, report,
                                       options.strict, options.create)
-    jobs = ahead.jobs + plan_jobs(reads.targets[planned:], reads.locator)
-    report.bytes_read = _read(reads, jobs, options.verify)
-    fill_all(top, per_rank)
+    return _Planned(reads, ahead.jobs + plan_jobs(reads.targets[planned:], reads.locator), per_rank)
 
 
 def _read(reads: Collect, jobs: list[ReadJob], verify: bool) -> int:

@@ -29,7 +29,7 @@ from ..plan.read import plan_reads, tiling_problem
 from ..storage import Storage
 from .locate import Locator
 
-__all__ = ["ReadJob", "Reader", "Target", "io_threads", "plan_jobs", "read_verified"]
+__all__ = ["FileRange", "ReadJob", "Reader", "Target", "io_threads", "plan_jobs", "read_ranges", "read_verified"]
 
 _Bytes = bytes | bytearray | memoryview
 
@@ -428,10 +428,7 @@ class Reader:
 
     def _span(self, loc: ChunkLoc, lo: int, hi: int) -> tuple[int, int]:
         """``[lo, hi)`` rounded out to whole checksum blocks (when verifying)."""
-        if not self.verify:
-            return lo, hi
-        blk = self.block
-        return (lo // blk) * blk, min(-(-hi // blk) * blk, loc.length)
+        return _span(loc, lo, hi, self.block, self.verify)
 
     def _read(self, j: ReadJob, fname: str, at: int, n: int) -> bytearray:
         try:
@@ -468,6 +465,50 @@ class Reader:
                 crc = crc32(tail[max(s, hi) - hi : e - hi], crc)
             if crc != loc.crc32[k]:
                 self._mismatch(j, s, e)
+
+
+def _span(loc: ChunkLoc, lo: int, hi: int, block: int, verify: bool) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of a chunk as a :class:`Reader` reads them: rounded out to
+    whole checksum blocks of the chunk when it verifies."""
+    if not verify:
+        return lo, hi
+    return (lo // block) * block, min(-(-hi // block) * block, loc.length)
+
+
+class FileRange(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Bytes ``[start, stop)`` of data file ``file`` (absolute offsets)."""
+
+    file: str
+    start: int
+    stop: int
+
+
+def _merged(ranges: list[tuple[str, int, int]]) -> list[FileRange]:
+    """Ranges by file and offset, those that overlap or touch made one."""
+    out: list[FileRange] = []
+    ranges.sort()
+    for f, a, b in ranges:
+        if out and out[-1].file == f and a <= out[-1].stop:
+            if b > out[-1].stop:
+                out[-1] = FileRange(f, out[-1].start, b)
+            continue
+        out.append(FileRange(f, a, b))
+    return out
+
+
+def read_ranges(jobs: Sequence[ReadJob], block: int, verify: bool) -> tuple[list[FileRange], list[FileRange]]:
+    """What a :class:`Reader` reads for ``jobs``: the bytes the jobs need (exact), and
+    the bytes it reads to get and verify them (each job's range rounded out to whole
+    checksum blocks of its chunk when ``verify``); each merged by file. Every read the
+    reader makes lies inside one range of the second list (it reads each job's
+    rounded range, or runs of them that overlap or touch)."""
+    exact = [(j.loc.file, j.loc.offset + j.lo, j.loc.offset + j.hi) for j in jobs if j.hi > j.lo]
+    read = []
+    for j in jobs:
+        a, b = _span(j.loc, j.lo, j.hi, block, verify)
+        if b > a:
+            read.append((j.loc.file, j.loc.offset + a, j.loc.offset + b))
+    return _merged(exact), _merged(read)
 
 
 def read_verified(storage: Storage, loc: ChunkLoc, block: int, on_bad: Callable[[int], None] | None = None,

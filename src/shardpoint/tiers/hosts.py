@@ -5,10 +5,12 @@ no torch.distributed.
 * :func:`replica_plan`: which rank sends which snapshot file to which rank of another
   host (replica ``j`` of a rank on host ``h`` goes to host ``(h + j) mod H``).
 * :func:`restore_plan`: from every present host's inventory, the steps restorable in
-  full (newest first), each with the transfers that give every host every file.
+  full (newest first), each with the transfers that give every host the manifest and
+  the indexes (the byte ranges of data files each host's ranks read are fetched by
+  the load itself: :mod:`.peer`).
 * :func:`drain_parts`: which host copies which file of a snapshot to the durable root.
 
-A *file spec* is ``[relpath, name, size, sha256 or None]``: where the file lies in a
+Transfers are :class:`~.replicate.Move` records. A *file spec* is ``[relpath, name, size, sha256 or None]``: where the file lies in a
 host's step folder (``name``, ``replicas/<name>`` or ``fetched/<name>``), the name it
 has in the checkpoint, its size, and for an index the SHA-256 its manifest records.
 """
@@ -19,12 +21,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.manifest import MANIFEST_NAME
+import msgspec
 
-#: Sub-folders of a host's step folder: replicas received for other hosts' ranks, and
-#: files fetched from other hosts by a restore.
+from ..format.manifest import MANIFEST_NAME
+from .replicate import Move
+
+#: Sub-folders of a host's step folder: replicas received for other hosts' ranks, files
+#: fetched whole from other hosts by a restore (the manifest, indexes), and byte ranges
+#: of data files fetched by a restore (``ranges/<name>/<start>-<stop>``).
 REPLICAS = "replicas"
 FETCHED = "fetched"
+RANGES = "ranges"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +117,15 @@ def needed(manifest_files: Mapping[str, Any]) -> dict[str, int]:
     return {spec[1]: spec[2] for specs in rank_files(manifest_files).values() for spec in specs}
 
 
-def replica_plan(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]], replicas: int) -> list[list[Any]]:
+def replica_plan(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]], replicas: int) -> list[Move]:
     """The transfers of a snapshot's replication, in one order every rank computes
-    alike: ``[src_relpath, name, size, src_rank, dst_rank, dst_relpath]`` (as
-    :attr:`Candidate.fetch`). ``saver_files``: the files each rank wrote
-    (:func:`rank_files`); ranks are those of the saving group."""
+    alike. ``saver_files``: the files each rank wrote (:func:`rank_files`); ranks are
+    those of the saving group."""
     out = []
     for rank in sorted(saver_files):
         for dst in hosts.targets(rank, replicas):
             for spec in saver_files[rank]:
-                out.append([spec[0], spec[1], spec[2], rank, dst, f"{REPLICAS}/{spec[1]}"])
+                out.append(Move(spec[0], spec[1], spec[2], rank, dst, f"{REPLICAS}/{spec[1]}"))
     return out
 
 
@@ -134,22 +140,22 @@ def drain_parts(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]]) -> dic
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A step restorable in full from the present hosts, and how: ``fetch`` lists
-    ``[src_relpath, name, size, src_rank, dst_rank, dst_relpath]``, what each host lacks
-    (the manifest included) copied from a host that has it."""
+    """A step restorable in full from the present hosts, and how: ``fetch``, the whole
+    files each host lacks (the manifest, the indexes; data files too for an inventory
+    that does not say which files are data) copied from a host that has them."""
 
     step: int
     save_id: str
-    fetch: list[list[Any]]
+    fetch: list[Move]
 
     def wire(self) -> dict[str, Any]:
         """As JSON (rank 0 sends the plan to every rank)."""
-        return {"step": self.step, "save_id": self.save_id, "fetch": self.fetch}
+        return {"step": self.step, "save_id": self.save_id, "fetch": msgspec.to_builtins(self.fetch)}
 
     @staticmethod
     def from_wire(d: Mapping[str, Any]) -> Candidate:
         """Back from :meth:`wire`."""
-        return Candidate(int(d["step"]), str(d["save_id"]), list(d["fetch"]))
+        return Candidate(int(d["step"]), str(d["save_id"]), msgspec.convert(d["fetch"], list[Move]))
 
 
 def unhealthy(step: int, entry: Mapping[str, Any]) -> str:
@@ -168,12 +174,13 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
     ``inventories[h]`` is host ``h``'s: step (as a string) -> ``{"save_id", "healthy",
     "manifest" (its size), "need" ({name: size}), "have" ({name: [size, relpath]})}``,
     where ``save_id``/``manifest``/``need`` are None when the host holds no manifest of
-    that step. A step is restorable when some host holds a manifest of it that
-    ``judge(step, inventory entry)`` finds fit (it returns why not, "" when fit; by
-    default: healthy), it is at least as new as ``durable``, and every file its
-    manifest names is on some host at its size. Files are fetched from the first host
-    (by host order, rotating over its ranks) that has them, into ``fetched/`` on each
-    host that lacks them."""
+    that step, and ``data`` lists the data files among ``need``. A step is restorable
+    when some host holds a manifest of it that ``judge(step, inventory entry)`` finds
+    fit (it returns why not, "" when fit; by default: healthy), it is at least as new
+    as ``durable``, and every file its manifest names is on some host at its size.
+    The manifest and the indexes (every file but those in ``data``) are fetched from
+    the first host (by host order, rotating over its ranks) that has them, into
+    ``fetched/`` on each host that lacks them; data files are read by byte range."""
     by_step: dict[tuple[int, str], list[int]] = {}  # (step, save id) -> hosts holding its manifest
     for h, inv in enumerate(inventories):
         for key, st in inv.items():
@@ -205,9 +212,10 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
         if lost:
             passed.setdefault(step, f"{len(lost)} of its files are on no present host (e.g. {lost[0]})")
             continue
-        fetch: list[list[Any]] = []
+        fetch: list[Move] = []
         turn = 0
-        for name in sorted(need, key=lambda n: n == MANIFEST_NAME):  # the manifest last
+        data = set(first.get("data") or ())
+        for name in sorted((n for n in need if n not in data), key=lambda n: n == MANIFEST_NAME):  # the manifest last
             holders_of = {h: rel for h, rel in reversed(where[name])}
             src_h = min(holders_of)
             for h in range(len(hosts)):
@@ -216,7 +224,7 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
                 src = hosts.ranks[src_h][turn % len(hosts.ranks[src_h])]
                 dst = hosts.ranks[h][turn % len(hosts.ranks[h])]
                 rel = name if name == MANIFEST_NAME else f"{FETCHED}/{name}"
-                fetch.append([holders_of[src_h], name, need[name], src, dst, rel])
+                fetch.append(Move(holders_of[src_h], name, need[name], src, dst, rel))
                 turn += 1
         out.append(Candidate(step, sid, fetch))
     return out, passed
@@ -232,16 +240,15 @@ def redrain_parts(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], chosen
     for step in sorted(due, reverse=True):
         if step > chosen.step or (durable is not None and step <= durable):
             continue
-        if step == chosen.step:  # every host holds all of it once the restore's fetch is done
-            st = next((inv[str(step)] for inv in inventories
-                       if inv.get(str(step), {}).get("save_id") == chosen.save_id), None)
-            if st is None:
+        if step == chosen.step:  # rank 0's host holds its manifest once the restore's fetch is done
+            st0 = next((inv[str(step)] for inv in inventories
+                        if inv.get(str(step), {}).get("save_id") == chosen.save_id), None)
+            if st0 is None:
                 return None
-            sha = st.get("sha", {})
-            return step, chosen.save_id, {0: [[n, n, size, sha.get(n)] for n, size in st["need"].items()]}
-        st0 = inventories[0].get(str(step))
-        if st0 is None or st0.get("save_id") is None or not st0.get("healthy", True):
-            continue
+        else:
+            st0 = inventories[0].get(str(step))
+            if st0 is None or st0.get("save_id") is None or not st0.get("healthy", True):
+                continue
         parts: dict[int, list[list[Any]]] = {}
         for name, size in st0["need"].items():
             for h in range(len(inventories)):

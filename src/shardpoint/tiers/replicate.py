@@ -1,14 +1,16 @@
 """File transfers between hosts over the checkpoint channel's side lane: replication
-of a snapshot's files (in a background thread) and the files a restore fetches.
+of a snapshot's files (in a background thread), and what a restore fetches (the
+manifest and indexes whole, byte ranges of data files).
 
-A move is ``[src_relpath, name, size, src_rank, dst_rank, dst_relpath]``, relative to
-the step folder of each end's host. Every rank runs :func:`transfer` on the same list
-of moves and takes part in those it sends or receives. Files travel between memory
-maps of the step folders (no copy into the process's heap), in blocks; each move first
-says whether its sender could read the file. A receiver writes under a hidden
-temporary name (space reserved up front: a full tmpfs is an error, never a SIGBUS)
-and renames the file into place only once every byte arrived: a half-written
-replica is never counted.
+A :class:`Move` carries bytes ``[offset, offset + size)`` of a file in the sender's
+step folder to a file of its own in the receiver's, each path relative to the step
+folder of its end's host. Every rank runs :func:`transfer` on the moves it takes part
+in (or on the same list as every other rank: tags are then numbered alike on every
+rank). Files travel between memory maps of the step folders (no copy into the
+process's heap), in blocks; each move first says whether its sender could read the
+file. A receiver writes under a hidden temporary name (space reserved up front: a
+full tmpfs is an error, never a SIGBUS) and renames the file into place only once
+every byte arrived: a half-written replica is never counted.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Sequence
-from typing import Any
 
+import msgspec
 import torch
 
 from ..collective import Comm
@@ -31,12 +33,36 @@ def _blocks(size: int) -> list[tuple[int, int]]:
     return [(off, min(BLOCK, size - off)) for off in range(0, size, BLOCK)]
 
 
-def tags_of(moves: Sequence[Sequence[Any]]) -> list[int]:
-    """The first tag of each move (its header; then one per block), the same on every rank."""
-    out, tag = [], 1
+class Move(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Bytes ``[offset, offset + size)`` of ``src_rel`` on rank ``src``'s host to a file of
+    ``size`` bytes at ``dst_rel`` on rank ``dst``'s host: a whole file (``offset`` 0,
+    ``size`` its size) or a byte range. ``name``: the checkpoint file the bytes are of.
+    ``src_size``: the size the source file must have (-1: ``size``). ``tag``: the
+    move's first tag on the side lane (its header; then one per block); 0 numbers
+    the moves of one list in order (:func:`tagged`)."""
+
+    src_rel: str
+    name: str
+    size: int
+    src: int
+    dst: int
+    dst_rel: str
+    offset: int = 0
+    src_size: int = -1
+    tag: int = 0
+
+
+def span(size: int) -> int:
+    """The tags one move of ``size`` bytes takes."""
+    return 1 + len(_blocks(size))
+
+
+def tagged(moves: Sequence[Move], first: int = 1) -> list[Move]:
+    """``moves`` with their tags numbered in order from ``first`` (the same on every rank)."""
+    out, tag = [], first
     for m in moves:
-        out.append(tag)
-        tag += 1 + len(_blocks(int(m[2])))
+        out.append(msgspec.structs.replace(m, tag=tag))
+        tag += span(m.size)
     return out
 
 
@@ -51,20 +77,22 @@ def _unmap(m: mmap.mmap | None) -> None:
 
 
 class _Out:
-    """A file to send, mapped read-only-private (or a zero block when it cannot be read)."""
+    """Bytes ``[offset, offset + size)`` of a file to send, mapped read-only-private
+    (or a zero block when the file cannot be read, or has not ``whole`` bytes)."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, offset: int = 0, whole: int = -1) -> None:
         self.ok, self.map, self.why = False, None, ""
         self.data = torch.zeros(min(BLOCK, size), dtype=torch.uint8)
+        whole = size if whole < 0 else whole
         try:
             with open(path, "rb") as f:
                 actual = os.fstat(f.fileno()).st_size
-                if actual != size:
-                    self.why = f"{path} has {actual} bytes, {size} expected"
+                if actual != whole or offset + size > whole:
+                    self.why = f"{path} has {actual} bytes, {whole} expected"
                     return
                 if size:
-                    self.map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-                    self.data = torch.frombuffer(self.map, dtype=torch.uint8)
+                    self.map = mmap.mmap(f.fileno(), whole, access=mmap.ACCESS_COPY)
+                    self.data = torch.frombuffer(self.map, dtype=torch.uint8)[offset: offset + size]
             self.ok = True
         except OSError as e:
             self.why = f"{path}: {e.strerror or e}"
@@ -135,36 +163,40 @@ class _In:
         self.tmp = ""
 
 
-def transfer(comm: Comm, folder: str, moves: Sequence[Sequence[Any]], *, background: bool = False) -> list[str]:
-    """Run this rank's part of ``moves`` (every rank calls it with the same list);
-    ``folder`` is this host's step folder. Returns what went wrong with the moves this
-    rank took part in (a file its sender could not read, no space to receive one), as
-    messages naming the file; a move that went wrong leaves nothing behind. Raises
+def transfer(comm: Comm, folder: str, moves: Sequence[Move], *, background: bool = False) -> list[str]:
+    """Run this rank's part of ``moves`` (every rank calls it, with the same list or
+    with the moves it takes part in, tagged: :class:`Move`); ``folder`` is this host's
+    step folder. Returns what went wrong with the moves this rank took part in (a
+    file its sender could not read, no space to receive one), as messages naming the
+    file; a move that went wrong leaves nothing behind. Raises
     :class:`ShardpointError` when a peer is gone (every temporary file removed).
     ``background``: called from a thread of :meth:`Comm.start_side`."""
     me = comm.rank
-    tags = tags_of(moves)
+    if any(m.tag == 0 for m in moves):
+        moves = tagged(moves)
     outs: list[_Out] = []
     ins: list[tuple[_In, torch.Tensor, str]] = []
     sends: list[tuple[int, int, torch.Tensor]] = []
     recvs: list[tuple[int, int, torch.Tensor]] = []
     problems: list[str] = []
     try:
-        for m, tag in zip(moves, tags):
-            src_rel, name, size, src, dst, dst_rel = m[0], str(m[1]), int(m[2]), int(m[3]), int(m[4]), str(m[5])
+        for m in moves:
+            size, src, dst, tag = m.size, m.src, m.dst, m.tag
+            what = m.name if m.offset == 0 and m.src_size in (-1, size) else \
+                f"bytes {m.offset}..{m.offset + size} of {m.name}"
             if src == dst:
                 continue
             if src == me:
-                out = _Out(os.path.join(folder, str(src_rel)), size)
+                out = _Out(os.path.join(folder, m.src_rel), size, m.offset, m.src_size)
                 outs.append(out)
                 if not out.ok:
-                    problems.append(f"rank {me} could not send {name} to rank {dst}: {out.why}")
+                    problems.append(f"rank {me} could not send {what} to rank {dst}: {out.why}")
                 sends.append((dst, tag, torch.tensor([1 if out.ok else 0], dtype=torch.uint8)))
                 sends.extend((dst, tag + 1 + i, out.block(off, n)) for i, (off, n) in enumerate(_blocks(size)))
             elif dst == me:
-                got = _In(folder, dst_rel, size)
+                got = _In(folder, m.dst_rel, size)
                 head = torch.zeros(1, dtype=torch.uint8)
-                ins.append((got, head, f"{name} from rank {src}"))
+                ins.append((got, head, f"{what} from rank {src}"))
                 recvs.append((src, tag, head))
                 recvs.extend((src, tag + 1 + i, got.block(off, n)) for i, (off, n) in enumerate(_blocks(size)))
         comm.exchange(sends, recvs, background=background)

@@ -23,14 +23,25 @@ class TieredLoadReport(LoadReport):
             ``"replica"`` (a copy replication put there for a rank of another host) or
             ``"fetched"`` (copied from another host's memory by this restore). Empty
             for a durable restore: every byte came from the root.
+        received: (memory) the bytes this rank received from other hosts' memory for
+            this restore: the byte ranges of data files its host lacked that its
+            host's ranks read, and the manifest or indexes when its host lacked them.
+        host_needed: (memory) the bytes of the data files its host lacked that the
+            loads of its host's ranks need (each byte once, before rounding to
+            checksum blocks): what the ranges received by the host's ranks carry, at
+            least.
     """
 
     tier: str = "durable"
     source: str = ""
     pieces: dict[str, str] = field(default_factory=dict)
+    received: int = 0
+    host_needed: int = 0
 
     @staticmethod
-    def of(report: LoadReport, tier: str, source: str, pieces: dict[str, str] | None = None) -> TieredLoadReport:
-        """``report`` with its tier, source and pieces."""
+    def of(report: LoadReport, tier: str, source: str, pieces: dict[str, str] | None = None, *,
+           received: int = 0, host_needed: int = 0) -> TieredLoadReport:
+        """``report`` with its tier, source, pieces and bytes received."""
         return TieredLoadReport(**{f.name: getattr(report, f.name) for f in fields(LoadReport)}, tier=tier,
-                                source=source, pieces=dict(pieces or {}))
+                                source=source, pieces=dict(pieces or {}), received=received,
+                                host_needed=host_needed)

@@ -24,7 +24,7 @@ from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
 from .config import job_folder
-from .hosts import FETCHED, REPLICAS, needed
+from .hosts import FETCHED, RANGES, REPLICAS, needed
 
 JOB_FILE = "job.json"
 #: Folders of freed snapshots whose bytes are being removed (``JobArea.free``).
@@ -273,10 +273,12 @@ class JobArea:
         ``save_id``, ``healthy`` (by the default :class:`~shardpoint.health.HealthRule`),
         ``nonfinite``, ``nan``, ``roles``, ``metrics``, ``created``, ``world_size``,
         ``manifest`` (its size), ``need`` (the files the manifest names, with their
-        sizes) and ``sha`` (the indexes' SHA-256), all None/empty without a manifest,
-        and ``have``: every file present in the step folder, its ``replicas/`` and
-        ``fetched/``, as ``[size, relpath]`` (the step folder's own copy preferred).
-        Temporary (half-written) files are never listed."""
+        sizes), ``data`` (the data files among them) and ``sha`` (the indexes'
+        SHA-256), all None/empty without a manifest; ``have``: every file present in
+        the step folder, its ``replicas/`` and ``fetched/``, as ``[size, relpath]``
+        (the step folder's own copy preferred); ``ranges``: the byte ranges of data
+        files held under ``ranges/`` (fetched by a restore), name -> ``[[start, stop,
+        relpath], ...]``. Temporary (half-written) files are never listed."""
         out: dict[str, dict[str, Any]] = {}
         if not self.owned():
             return out
@@ -284,14 +286,14 @@ class JobArea:
             st = self.storage(step)
             entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "nan": None, "roles": {},
                                      "metrics": {}, "created": 0.0, "world_size": 0, "manifest": None, "need": None,
-                                     "sha": {}, "have": {}}
+                                     "sha": {}, "have": {}, "data": [], "ranges": held_ranges(st.inner.root)}
             try:
                 man = read_manifest(st)
                 entry.update(save_id=man.save_id, healthy=not HealthRule().unfit(man.nonfinite, man.nan, man.roles),
                              nonfinite=list(man.nonfinite or []), nan=man.nan, roles=dict(man.roles),
                              metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
                              manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
-                             need=needed(man.files),
+                             need=needed(man.files), data=sorted(man.files),
                              sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()
                                   if isinstance(f.get("index"), dict)})
             except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
@@ -330,8 +332,11 @@ class JobArea:
     def origin(self, step: int, name: str) -> str:
         """Where the bytes of file ``name`` of snapshot ``step`` on this host came from:
         ``"replica"`` (copied here by replication), ``"fetched"`` (from another host, by
-        a restore) or ``"own"`` (written on this host by the save)."""
+        a restore: the file whole, or the byte ranges this host's ranks read) or
+        ``"own"`` (written on this host by the save)."""
         root = os.path.join(self.dir, step_dir(step))
+        if not os.path.exists(os.path.join(root, name)) and os.path.isdir(os.path.join(root, RANGES, name)):
+            return "fetched"
         for rel, what in ((REPLICAS, "replica"), (FETCHED, "fetched")):
             try:
                 if os.path.samefile(os.path.join(root, rel, name), os.path.join(root, name)):
@@ -348,6 +353,36 @@ class JobArea:
         except OSError:
             pass
         shutil.rmtree(path, ignore_errors=True)
+
+
+def held_ranges(root: str) -> dict[str, list[list[Any]]]:
+    """The byte ranges of data files under ``root/ranges/`` (a step folder): name ->
+    ``[[start, stop, relpath], ...]`` by offset; a file counts only at its full size
+    (``<start>-<stop>`` long), temporary ones never."""
+    out: dict[str, list[list[Any]]] = {}
+    top = os.path.join(root, RANGES)
+    try:
+        names = os.listdir(top)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            pieces = os.listdir(os.path.join(top, name))
+        except OSError:
+            continue
+        for p in pieces:
+            a, _, b = p.partition("-")
+            if p.startswith(".") or not (a.isdigit() and b.isdigit()):
+                continue
+            try:
+                if os.path.getsize(os.path.join(top, name, p)) != int(b) - int(a):
+                    continue
+            except OSError:
+                continue
+            out.setdefault(name, []).append([int(a), int(b), f"{RANGES}/{name}/{p}"])
+    for v in out.values():
+        v.sort()
+    return out
 
 
 def _remove_all(paths: list[str]) -> None:

@@ -15,9 +15,10 @@ restore ladder, on one host or several.
   snapshot with a warning (a step due for durability is then saved directly).
 * ``restore_memory``: each host's first rank reports what its host holds; rank 0
   picks the newest step whose manifest is on some host and whose files the present
-  hosts hold between them; what a host lacks is fetched from one that has it; every
-  rank loads from its host's folder (resharding as any load). Else the manager
-  restores from the root.
+  hosts hold between them; a host lacking the manifest or an index gets it whole;
+  every rank loads through its host's folder (resharding as any load), whose load
+  first fetches the byte ranges of data files its host lacks from the nearest
+  holder (:mod:`.peer`). Else the manager restores from the root.
 """
 
 from __future__ import annotations
@@ -35,16 +36,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ..api import load
 from ..collective import Comm, agree
 from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..load.locate import read_manifest
+from ..load.pipeline import LoadOptions, load_state
 from ..saving.fence import Owner
 from ..saving.handle import SaveHandle, settle_in_flight
 from ..saving.pipeline import save_state
 from ..saving.records import SaveOptions
-from ..storage.base import Delegating
 from .config import MemoryTier, job_identity
 from .drain import Drainer, DrainJob, DrainResult
 from .hosts import (
@@ -58,9 +58,11 @@ from .hosts import (
     restore_plan,
     unhealthy,
 )
-from .replicate import transfer
+from .peer import PeerFetch
+from .replicate import Move, transfer
 from .report import TieredLoadReport
 from .shm import JobArea, PrivateStorage
+from .view import TieredView
 
 _LOG = logging.getLogger("shardpoint.tiers")
 
@@ -73,22 +75,6 @@ def no_space(e: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return "[Errno 28]" in str(e) or "No space left on device" in str(e)
-
-
-class _Reading(Delegating):
-    """A storage that notes which files a load read (for the report's ``pieces``)."""
-
-    def __init__(self, inner: PrivateStorage) -> None:
-        super().__init__(inner)
-        self.names: set[str] = set()
-
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
-        self.names.add(name)
-        return self.inner.read(name, offset, length)
-
-    def read_into(self, name: str, offset: int, buf: memoryview) -> None:
-        self.names.add(name)
-        self.inner.read_into(name, offset, buf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +120,8 @@ class Tiers:
         self.passed: dict[int, str] = {}
         #: The last :meth:`restore_memory`: the steps the present hosts held in full (every rank).
         self.restorable: list[int] = []
+        #: Rank 0, in :meth:`restore_memory`: each present host's inventory (what it holds of each step).
+        self._invs: list[dict[str, Any]] = []
 
     def _comm(self) -> Comm:
         return Comm(self.process_group, self.timeout)
@@ -290,7 +278,7 @@ class Tiers:
             data = bytes(storage.read(MANIFEST_NAME))
         return Manifest.parse(data, f"{storage.url}/{MANIFEST_NAME}")
 
-    def _replicate(self, comm: Comm, step: int, folder: str, moves: list[list[Any]]) -> None:
+    def _replicate(self, comm: Comm, step: int, folder: str, moves: list[Move]) -> None:
         """Copy this rank's files to their replica holders and take the files it holds
         for others, in a background thread on the side lane."""
         def run() -> None:
@@ -468,18 +456,34 @@ class Tiers:
             except ShardpointError as e:
                 self._pass(at, f"it cannot be gathered on every host ({e})")
                 continue
-            reading = _Reading(storage)
+            man = read_manifest(storage)  # every host holds it once gathered
+            view = TieredView(storage, {n: int(e["size"]) for n, e in man.files.items()})
+            fetch = None
+            if len(hosts) > 1:  # each host's ranks' byte ranges of the data files it lacks, from the nearest holder
+                fetch = PeerFetch(comm, hosts, view, cand.step,
+                                  [inv.get(str(at), {}) for inv in self._invs] if comm.rank == 0 else None,
+                                  make_folder=self.area.open)
             try:
-                report = load(state, reading, only=only, exclude=exclude, strict=strict,
-                              process_group=self.process_group, timeout=self.timeout)
+                report = load_state(comm, view, state, LoadOptions(strict=strict, only=only, exclude=exclude),
+                                    fetch=fetch)
             except CorruptCheckpointError as e:
                 self._pass(at, f"it cannot be loaded ({e})")
                 continue
+            except CollectiveMismatchError:
+                raise
+            except ShardpointError as e:
+                if fetch is None or not fetch.failed:
+                    raise
+                self._pass(at, f"its byte ranges cannot be fetched ({e})")
+                continue
             report.step = cand.step
             report.passed_over = dict(self.passed)
-            pieces = {n: self.area.origin(cand.step, n) for n in sorted(reading.names) if n != MANIFEST_NAME}
+            pieces = {n: self.area.origin(cand.step, n) for n in sorted(view.names) if n != MANIFEST_NAME}
             self._after_memory_restore(comm, cand.step, wire.get("redrain"))
-            return TieredLoadReport.of(report, "memory", storage.inner.root, pieces)
+            received = sum(m.size for m in cand.fetch if m.dst == comm.rank and m.src != m.dst)
+            return TieredLoadReport.of(report, "memory", storage.inner.root, pieces,
+                                       received=received + (fetch.received if fetch is not None else 0),
+                                       host_needed=fetch.needed if fetch is not None else 0)
         return None
 
     def _plan(self, hosts: Hosts, got: list[Any], durable_step: int | None,
@@ -489,6 +493,7 @@ class Tiers:
         steps held in full, and the candidates in order with their re-drains (JSON,
         for every rank)."""
         invs = [got[hosts.leader(h)] for h in range(len(hosts))]
+        self._invs = invs  # the holdings of the step chosen: its byte ranges are planned from them
         cands, passed = restore_plan(hosts, invs, durable_step, judge)
         restorable = sorted(c.step for c in cands)
         if step is not None:  # an explicit step: exactly that one, whatever is newer
@@ -507,15 +512,15 @@ class Tiers:
         warnings.warn(f"shardpoint: not restoring memory snapshot {step}: {why}; trying an older one", stacklevel=4)
 
     def _gather(self, comm: Comm, cand: Candidate, storage: PrivateStorage, leader: bool) -> None:
-        """Give every present host every file of ``cand`` (collective): the fetches, then
-        (once every rank's are in) each host's first rank links replicas and fetched
-        files into the step folder, where the load reads them. Raises on every rank
-        when a rank failed."""
+        """Give every present host the manifest and indexes of ``cand`` (collective): the
+        fetches, then (once every rank's are in) each host's first rank links replicas
+        and fetched files into the step folder, where the load reads them (and the byte
+        ranges it fetches of the rest). Raises on every rank when a rank failed."""
         hosts = self.hosts
         assert hosts is not None
         error: BaseException | None = None
         try:
-            if any(int(m[4]) in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
+            if any(m.dst in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
                 self.area.open()  # this host receives files: its job folder (any rank may make it)
             problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
             if problems:
