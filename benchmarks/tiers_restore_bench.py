@@ -81,8 +81,8 @@ def main() -> None:
     ap.add_argument("--cases", default="rejoin,3to2")
     args = ap.parse_args()
     new_src = str(Path(__file__).resolve().parents[1] / "src")
-    print(f"| case | host | old: bytes in | new: bytes in | new / old | its ranks need | new / need | "
-          f"old restore s | new restore s | new / old |")
+    print("| case | host | old: bytes in | new: bytes in | new / old | its ranks need | new / need | "
+          "old restore s | new restore s | new / old |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case in args.cases.split(","):
         old, new = run(case, args.old_src, args.mb), run(case, new_src, args.mb)
