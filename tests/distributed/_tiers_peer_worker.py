@@ -11,7 +11,7 @@ whose host name is its own.
 drains, records the state of step 7 and trains on to step 10 without saving (the
 uninterrupted run's losses), writes ``ready-<rank>`` and sleeps until killed.
 
-``resume`` (any hosts and ranks): restores into a fresh model and ballast; writes
+``resume`` (any hosts and ranks; a rank that fails writes ``error-<rank>.txt``): restores into a fresh model and ballast; writes
 (``NAME-<rank>.json``) the step, tier and pieces, the bytes the report says this
 rank received and its host needed, the bytes into this host's network interface
 during the restore (the host's first rank reads them, in its namespace), the
@@ -146,7 +146,12 @@ def main() -> None:
     if mode == "train":
         train(out, base, *sys.argv[4:6])
     else:
-        resume(out, base, *sys.argv[4:7])
+        try:
+            resume(out, base, *sys.argv[4:7])
+        except Exception as e:
+            with open(os.path.join(out, f"error-{dist.get_rank()}.txt"), "w") as f:
+                f.write(f"{socket.gethostname()} {type(e).__name__}: {e}")
+            raise
     dist.destroy_process_group()
 
 

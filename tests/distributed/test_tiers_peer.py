@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -227,5 +228,52 @@ def test_three_hosts_one_lost_restore_on_two_hosts_of_three_ranks(tmp_path: Path
         assert got[names[0]]["needed"] > 0 and got[names[1]]["needed"] > 0, got
         for g in two:
             assert "fetched" in set(g["pieces"].values()) or g["host"] == names[0], g
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: Path) -> None:
+    """2 hosts x 2 ranks, host B lost; an empty B' rejoins and fetches its ranks' bytes
+    from host A over a link slowed to 40 Mbit/s; host A is SIGKILLed while B' is
+    receiving (a range's temporary file is there). B''s ranks fail within bounded time
+    (no hang), with an error naming host A, and leave no range behind."""
+    env = _env()
+    out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-peer-{uuid.uuid4().hex[:8]}"
+    out.mkdir()
+    root = tmp_path / "root"
+    tag = uuid.uuid4().hex[:6]
+    names = [f"pa{tag}", f"pb{tag}"]
+    job = f"peerdie-{tag}"
+    argv = [str(out), base, str(root), "24"]
+    try:
+        with hosts(2) as ns:
+            train_then_lose(tmp_path, ns, names, 2, job, argv, env, 1, base)
+            _ip("-n", ns[0], "link", "set", IFACE, "txqueuelen", "1000")
+            subprocess.run(["ip", "netns", "exec", ns[0], "tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate",
+                            "40mbit", "burst", "64kb", "latency", "2s"], check=True, capture_output=True, timeout=30)
+            logs = [tmp_path / f"die-{i}.log" for i in range(2)]
+            procs = [node(n, i, names[i], 2, 2, 29604, job, ["resume", *argv, "die"], env, log)
+                     for i, (n, log) in enumerate(zip(ns, logs))]
+            try:
+                deadline = time.monotonic() + LIMIT
+                while not list(Path(base, names[1]).glob("job-*/step-*/ranges/*/.*part-*")):
+                    assert time.monotonic() < deadline, logs[1].read_text()[-3000:]
+                    assert all(p.poll() is None for p in procs), (logs[0].read_text()[-2000:], logs[1].read_text()[-2000:])
+                    time.sleep(0.02)
+                _kill_host(ns[0])  # the holder, mid-transfer
+                deadline = time.monotonic() + LIMIT
+                while len(list(out.glob("error-*.txt"))) < 2:
+                    assert time.monotonic() < deadline, f"B's ranks did not fail in time: {logs[1].read_text()[-3000:]}"
+                    time.sleep(0.1)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=30)
+        errors = [f.read_text() for f in sorted(out.glob("error-*.txt"))]
+        print("\n" + "\n".join(errors))
+        assert all(e.startswith(names[1]) and "CollectiveMismatchError" in e for e in errors), errors
+        assert any(f"on host {names[0]}" in e and "byte ranges" in e for e in errors), errors
+        assert not list(Path(base, names[1]).glob("job-*/step-*/ranges/*/*")), "a range was left behind"
     finally:
         shutil.rmtree(base, ignore_errors=True)

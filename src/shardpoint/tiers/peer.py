@@ -194,26 +194,30 @@ class PeerFetch:
         self.needed, self.incoming = order.needed, order.incoming
         problems: list[str] = []
         err: BaseException | None = None
+        gone: CollectiveMismatchError | None = None
         try:
             if any(m.dst == comm.rank for m in order.moves) and self.make_folder is not None:
                 self.make_folder()
             problems = transfer(comm, self.view.inner.inner.root, order.moves)
-        except CollectiveMismatchError:
-            raise
-        except ShardpointError as e:  # a peer died or hangs mid-transfer: name its host
-            peers = sorted({m.src if m.dst == comm.rank else m.dst for m in order.moves})
+        except ShardpointError as e:  # a peer died or hangs mid-transfer: name it and its host
+            peers = sorted({m.src if m.dst == comm.rank else m.dst for m in order.moves} - {comm.rank})
             where = ", ".join(f"rank {p} on host {hosts.names[hosts.of_rank[p]]}" for p in peers)
-            err = ShardpointError(f"memory snapshot {self.step}: fetching byte ranges with {where} failed: {e}")
+            gone = CollectiveMismatchError(
+                f"restoring memory snapshot {self.step}: rank {comm.rank} (host {hosts.names[hosts.of_rank[comm.rank]]}) "
+                f"was exchanging byte ranges with {where} when the transfer failed ({e}). Nothing was loaded; "
+                "restart the job (the restore then reads what the present hosts hold)", ranks=peers)
+            err = gone
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
             err = e
         if problems and err is None:
             err = ShardpointError(f"memory snapshot {self.step}: " + "; ".join(problems))
         self.received = sum(m.size for m in order.moves if m.dst == comm.rank) if err is None else 0
         try:
-            agree(comm, None, err)
-        except CollectiveMismatchError:
-            raise
-        except ShardpointError:
-            self.failed = True
+            agree(comm, None, err)  # every rank learns whether every fetch went through
+        except ShardpointError as e:
+            if gone is not None:
+                raise gone from e
+            if not isinstance(e, CollectiveMismatchError):  # not a lost peer: the snapshot is passed over
+                self.failed = True
             raise
         self.view.refresh()
