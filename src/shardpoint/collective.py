@@ -556,15 +556,19 @@ class Comm:
         return t
 
     def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
-                 recvs: Sequence[tuple[int, int, torch.Tensor]], *, background: bool = False) -> None:
+                 recvs: Sequence[tuple[int, int, torch.Tensor]], *, background: bool = False,
+                 progress: float | None = None) -> None:
         """Point-to-point transfers on the side lane (made by :meth:`open_side`): each
         ``(peer, tag, tensor)`` of ``sends`` goes to that rank of the group, each of
         ``recvs`` is filled from it; a send and its receive carry the same tag. All are
         posted at once, then waited for (within the lane's timeout,
         ``SHARDPOINT_GROUP_TIMEOUT``). From the caller's thread it first waits for the side lane's
         background transfers (:meth:`start_side`, whose targets pass ``background``).
-        Raises :class:`ShardpointError` naming the peers when a transfer fails (a peer
-        died)."""
+        ``progress``: seconds each message may take once the one before it ended (a
+        peer that vanished without closing its connections, a host powered off, is
+        given up then, not after the lane's timeout; gloo then closes the pair, so
+        only for transfers whose failure ends the operation). Raises
+        :class:`ShardpointError` naming the peers when a transfer fails (a peer died)."""
         if self.store is None or (not sends and not recvs):
             return
         ch = self.channel
@@ -582,7 +586,10 @@ class Comm:
                 # no short slices here (the thread is not a daemon: an exit waits for it)
                 if ch.closing:
                     raise ShardpointError(closed)
-                w.wait()
+                if progress is None:
+                    w.wait()
+                else:
+                    w.wait(timeout=timedelta(seconds=progress))
         except ShardpointError:
             raise
         except Exception as e:  # noqa: BLE001 - RuntimeError, DistError: a peer's connection closed

@@ -116,7 +116,8 @@ def resume(out: str, base: str, root: str, mb: str, name: str) -> None:
         ref = json.load(f)
     m, opt, sched = build(1, world)
     big = ballast(float(mb), False)
-    mgr = shardpoint.CheckpointManager(root, keep_last=2, memory=tier(base), timeout=120)
+    # "die": its holder is killed mid-transfer; a vanished peer is given up after the manager's timeout
+    mgr = shardpoint.CheckpointManager(root, keep_last=2, memory=tier(base), timeout=30 if name == "die" else 120)
     dist.barrier()
     rx0 = _rx()
     t0 = time.perf_counter()

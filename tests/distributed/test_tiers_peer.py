@@ -80,12 +80,12 @@ def hosts(n: int) -> Iterator[list[str]]:
 
 
 def node(ns: str, i: int, hostname: str, nnodes: int, nproc: int, port: int, job: str, argv: list[str],
-         env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """A torchrun node of ``nproc`` ranks, host ``i`` of ``nnodes`` (host 0 hosts the rendezvous)."""
+         env: dict[str, str], log: Path, rdzv: int = 0) -> subprocess.Popen[bytes]:
+    """A torchrun node of ``nproc`` ranks, host ``i`` of ``nnodes`` (host ``rdzv`` hosts the rendezvous)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr(0)}:{port}", "--rdzv-id", job,
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr(rdzv)}:{port}", "--rdzv-id", job,
            "--local-addr", addr(i), "--max-restarts", "0",
-           "--rdzv-conf", f"is_host={int(i == 0)},join_timeout={int(LIMIT)}", "-m", WORKER, *argv]
+           "--rdzv-conf", f"is_host={int(i == rdzv)},join_timeout={int(LIMIT)}", "-m", WORKER, *argv]
     return subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
                              hostname, *cmd], env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -235,8 +235,9 @@ def test_three_hosts_one_lost_restore_on_two_hosts_of_three_ranks(tmp_path: Path
 def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: Path) -> None:
     """2 hosts x 2 ranks, host B lost; an empty B' rejoins and fetches its ranks' bytes
     from host A over a link slowed to 40 Mbit/s; host A is SIGKILLed while B' is
-    receiving (a range's temporary file is there). B''s ranks fail within bounded time
-    (no hang), with an error naming host A, and leave no range behind."""
+    receiving (a range's temporary file is there). B''s node ends within bounded time
+    (no hang), its failing rank with an error naming the rank and host it was
+    fetching from, and no range is left behind."""
     env = _env()
     out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-peer-{uuid.uuid4().hex[:8]}"
     out.mkdir()
@@ -252,7 +253,8 @@ def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: P
             subprocess.run(["ip", "netns", "exec", ns[0], "tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate",
                             "40mbit", "burst", "64kb", "latency", "2s"], check=True, capture_output=True, timeout=30)
             logs = [tmp_path / f"die-{i}.log" for i in range(2)]
-            procs = [node(n, i, names[i], 2, 2, 29604, job, ["resume", *argv, "die"], env, log)
+            # the rendezvous on B' (its agent outlives host A and lets its ranks report)
+            procs = [node(n, i, names[i], 2, 2, 29604, job, ["resume", *argv, "die"], env, log, rdzv=1)
                      for i, (n, log) in enumerate(zip(ns, logs))]
             try:
                 deadline = time.monotonic() + LIMIT
@@ -261,10 +263,8 @@ def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: P
                     assert all(p.poll() is None for p in procs), (logs[0].read_text()[-2000:], logs[1].read_text()[-2000:])
                     time.sleep(0.02)
                 _kill_host(ns[0])  # the holder, mid-transfer
-                deadline = time.monotonic() + LIMIT
-                while len(list(out.glob("error-*.txt"))) < 2:
-                    assert time.monotonic() < deadline, f"B's ranks did not fail in time: {logs[1].read_text()[-3000:]}"
-                    time.sleep(0.1)
+                # B''s node ends (torchrun stops a node's other ranks once one failed): no hang
+                procs[1].wait(timeout=120)  # a vanished peer is given up after the manager's timeout (30 s)
             finally:
                 for p in procs:
                     if p.poll() is None:
@@ -272,8 +272,8 @@ def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: P
                     p.wait(timeout=30)
         errors = [f.read_text() for f in sorted(out.glob("error-*.txt"))]
         print("\n" + "\n".join(errors))
-        assert all(e.startswith(names[1]) and "CollectiveMismatchError" in e for e in errors), errors
-        assert any(f"on host {names[0]}" in e and "byte ranges" in e for e in errors), errors
+        assert errors and all(e.startswith(names[1]) and "CollectiveMismatchError" in e for e in errors), errors
+        assert any(f"with rank 0 on host {names[0]}" in e and "byte ranges" in e for e in errors), errors
         assert not list(Path(base, names[1]).glob("job-*/step-*/ranges/*/*")), "a range was left behind"
     finally:
         shutil.rmtree(base, ignore_errors=True)

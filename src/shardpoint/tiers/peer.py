@@ -198,7 +198,7 @@ class PeerFetch:
         try:
             if any(m.dst == comm.rank for m in order.moves) and self.make_folder is not None:
                 self.make_folder()
-            problems = transfer(comm, self.view.inner.inner.root, order.moves)
+            problems = transfer(comm, self.view.inner.inner.root, order.moves, progress=comm.timeout)
         except ShardpointError as e:  # a peer died or hangs mid-transfer: name it and its host
             peers = sorted({m.src if m.dst == comm.rank else m.dst for m in order.moves} - {comm.rank})
             where = ", ".join(f"rank {p} on host {hosts.names[hosts.of_rank[p]]}" for p in peers)
@@ -209,14 +209,17 @@ class PeerFetch:
             err = gone
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
             err = e
+        if gone is not None:
+            # no agreement with a lost peer (a host that vanished without closing its
+            # connections would hold it up to the group's timeout): this rank raises
+            # now, and the others fail as soon as they find it gone
+            raise gone
         if problems and err is None:
             err = ShardpointError(f"memory snapshot {self.step}: " + "; ".join(problems))
         self.received = sum(m.size for m in order.moves if m.dst == comm.rank) if err is None else 0
         try:
             agree(comm, None, err)  # every rank learns whether every fetch went through
         except ShardpointError as e:
-            if gone is not None:
-                raise gone from e
             if not isinstance(e, CollectiveMismatchError):  # not a lost peer: the snapshot is passed over
                 self.failed = True
             raise

@@ -163,14 +163,16 @@ class _In:
         self.tmp = ""
 
 
-def transfer(comm: Comm, folder: str, moves: Sequence[Move], *, background: bool = False) -> list[str]:
+def transfer(comm: Comm, folder: str, moves: Sequence[Move], *, background: bool = False,
+             progress: float | None = None) -> list[str]:
     """Run this rank's part of ``moves`` (every rank calls it, with the same list or
     with the moves it takes part in, tagged: :class:`Move`); ``folder`` is this host's
     step folder. Returns what went wrong with the moves this rank took part in (a
     file its sender could not read, no space to receive one), as messages naming the
     file; a move that went wrong leaves nothing behind. Raises
     :class:`ShardpointError` when a peer is gone (every temporary file removed).
-    ``background``: called from a thread of :meth:`Comm.start_side`."""
+    ``background``: called from a thread of :meth:`Comm.start_side`. ``progress``: as
+    :meth:`Comm.exchange` (a restore's fetch: a vanished peer fails it in bounded time)."""
     me = comm.rank
     if any(m.tag == 0 for m in moves):
         moves = tagged(moves)
@@ -199,7 +201,7 @@ def transfer(comm: Comm, folder: str, moves: Sequence[Move], *, background: bool
                 ins.append((got, head, f"{what} from rank {src}"))
                 recvs.append((src, tag, head))
                 recvs.extend((src, tag + 1 + i, got.block(off, n)) for i, (off, n) in enumerate(_blocks(size)))
-        comm.exchange(sends, recvs, background=background)
+        comm.exchange(sends, recvs, background=background, progress=progress)
         sends.clear()
         recvs.clear()
         for got, head, what in ins:

@@ -522,7 +522,7 @@ class Tiers:
         try:
             if any(m.dst in hosts.ranks[hosts.of_rank[comm.rank]] for m in cand.fetch):
                 self.area.open()  # this host receives files: its job folder (any rank may make it)
-            problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
+            problems = transfer(comm, storage.inner.root, cand.fetch, progress=comm.timeout) if cand.fetch else []
             if problems:
                 error = ShardpointError("; ".join(problems))
         except CollectiveMismatchError:
