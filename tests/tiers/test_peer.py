@@ -1,0 +1,88 @@
+"""Peer memory as storage, its pure part and its view (issue 32, item 1): which byte
+ranges each host fetches from whom (:func:`shardpoint.tiers.peer.plan_fetch`), and
+the step folder a restore's load reads through (:class:`shardpoint.tiers.view.TieredView`,
+on real files). The restores over real hosts: tests/distributed/test_tiers_peer.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.load.read import FileRange
+from shardpoint.storage.local import LocalStorage
+from shardpoint.tiers.hosts import Hosts
+from shardpoint.tiers.peer import Wants, plan_fetch
+from shardpoint.tiers.replicate import span
+from shardpoint.tiers.shm import PrivateStorage
+from shardpoint.tiers.view import TieredView
+
+SIZES = {f"f{i}": 1000 + i for i in range(4)}
+
+
+def have(*names: str, rel: str = "") -> dict[str, Any]:
+    return {"have": {n: [SIZES[n], f"{rel}/{n}" if rel else n] for n in names}}
+
+
+def wants(*ranges: tuple[str, int, int]) -> Wants:
+    rs = [FileRange(*r) for r in ranges]
+    return Wants(rs, rs)
+
+
+def test_each_host_fetches_its_ranks_ranges_once_from_a_holder() -> None:
+    two = Hosts.of(["a", "a", "b", "b"])
+    holdings = [{**have("f0", "f1"), "have": {**have("f0", "f1")["have"], **have("f2", "f3", rel="replicas")["have"]}},
+                {}]  # host B: an empty replacement
+    # both of B's ranks read bytes 10..30 of f0 (a replicated value): they travel once
+    w = [None, None, wants(("f0", 10, 20), ("f2", 0, 1002)), wants(("f0", 15, 30), ("f3", 0, 1003))]
+    orders = plan_fetch(two, holdings, SIZES, w)
+    moves = {m for o in orders for m in o.moves}
+    got = sorted((m.name, m.offset, m.size, m.src_rel, m.dst_rel) for m in moves)
+    assert got == [("f0", 10, 20, "f0", "ranges/f0/10-30"), ("f2", 0, 1002, "replicas/f2", "ranges/f2/0-1002"),
+                   ("f3", 0, 1003, "replicas/f3", "ranges/f3/0-1003")]
+    assert all(two.of_rank[m.src] == 0 and two.of_rank[m.dst] == 1 for m in moves)
+    for r, o in enumerate(orders):  # each rank gets the moves it takes part in, and nothing else
+        assert all(r in (m.src, m.dst) for m in o.moves)
+        assert (o.needed, o.incoming) == ((0, 0) if r < 2 else (20 + 1002 + 1003, 20 + 1002 + 1003))
+    tags = sorted((m.tag, m.tag + span(m.size)) for m in moves)  # one tag range per move, none shared
+    assert all(a[1] <= b[0] for a, b in zip(tags, tags[1:]))
+    assert len({m.dst for m in moves}) == 2 and len({m.src for m in moves}) == 2  # spread over both ranks of each host
+
+
+def test_a_range_fetched_before_serves_and_a_lost_range_is_named() -> None:
+    hosts = Hosts.of(["b", "c"])
+    # host C holds f1 whole and bytes 0..50 of f0 (fetched by an earlier restore); B needs f0 10..20
+    holdings = [{}, {**have("f1"), "ranges": {"f0": [[0, 50, "ranges/f0/0-50"]]}}]
+    [_, o] = plan_fetch(hosts, holdings, SIZES, [wants(("f0", 10, 20), ("f1", 5, 6)), None])
+    got = sorted((m.name, m.src_rel, m.offset, m.size, m.src_size) for m in o.moves)
+    assert got == [("f0", "ranges/f0/0-50", 10, 10, 50), ("f1", "f1", 5, 1, 1001)]
+    # bytes 40..60 of f0: no present host holds them all
+    orders = plan_fetch(hosts, holdings, SIZES, [wants(("f0", 40, 60)), None])
+    assert all(o.missing == orders[0].missing and not o.moves for o in orders)
+    assert "bytes 40..60 of f0 (read on host b) are on no present host" in orders[0].missing
+
+
+def test_the_view_reads_whole_files_and_fetched_ranges_and_names_what_it_lacks(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 8  # 2048 bytes
+    (tmp_path / "own").write_bytes(data)
+    (tmp_path / "ranges" / "far").mkdir(parents=True)
+    (tmp_path / "ranges" / "far" / "100-300").write_bytes(data[100:300])
+    (tmp_path / "ranges" / "far" / "300-400").write_bytes(data[300:400])
+    (tmp_path / "ranges" / "far" / "500-900").write_bytes(data[500:899])  # one byte short: never counted
+    (tmp_path / "ranges" / "far" / ".600-700.part-1-ab").write_bytes(data[600:700])  # half-written: never read
+    view = TieredView(PrivateStorage(LocalStorage(str(tmp_path))), {"own": 2048, "far": 2048})
+    assert bytes(view.read("own", 5, 10)) == data[5:15]
+    assert bytes(view.read("far", 150, 200)) == data[150:350]  # across two fetched ranges
+    buf = bytearray(50)
+    view.read_into("far", 120, memoryview(buf))
+    assert bytes(buf) == data[120:170]
+    bufs = [memoryview(bytearray(30)), memoryview(bytearray(20))]
+    view.readv_into("far", 200, bufs)
+    assert b"".join(bytes(b) for b in bufs) == data[200:250]
+    assert view.size("far") == 2048 and view.exists("far") and not view.exists("nowhere")
+    assert view.holds("far", 100, 400) and not view.holds("far", 90, 110) and not view.holds("far", 600, 650)
+    with pytest.raises(CorruptCheckpointError, match=r"far: bytes 350\.\.450 are not on this host"):
+        view.read("far", 350, 100)
+    assert view.names == {"own", "far"}
