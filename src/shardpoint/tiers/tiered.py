@@ -423,8 +423,10 @@ class Tiers:
         """Load the newest snapshot the present hosts hold in full between them that
         ``judge`` finds fit (by default: healthy; see :func:`.hosts.restore_plan`), if it
         is at least as new as ``durable_step`` (the step the root would resume from),
-        or exactly ``step`` when given: what a host lacks is fetched from a host that
-        has it, then every rank loads from its own host's folder. Collective. A
+        or exactly ``step`` when given: a host lacking the manifest or an index gets it
+        from a host that has it, then every rank loads through its own host's folder,
+        the load fetching the byte ranges of data files its host lacks from the
+        nearest holder (:mod:`.peer`). Collective. A
         snapshot due for durability that the root lacks is drained again only when
         newer than ``root_newest`` (the root's newest step; ``durable_step`` when
         None). The report's ``passed_over`` names the snapshots passed over, and why
@@ -456,8 +458,11 @@ class Tiers:
             except ShardpointError as e:
                 self._pass(at, f"it cannot be gathered on every host ({e})")
                 continue
-            man = read_manifest(storage)  # every host holds it once gathered
-            view = TieredView(storage, {n: int(e["size"]) for n, e in man.files.items()})
+            try:  # every host holds it once gathered; if it cannot be read here, the load says so on every rank
+                sizes = {n: int(e["size"]) for n, e in read_manifest(storage).files.items()}
+            except (ShardpointError, OSError):
+                sizes = {}
+            view = TieredView(storage, sizes)
             fetch = None
             if len(hosts) > 1:  # each host's ranks' byte ranges of the data files it lacks, from the nearest holder
                 fetch = PeerFetch(comm, hosts, view, cand.step,
