@@ -33,6 +33,7 @@ from .saving.pipeline import save_state
 from .saving.records import SaveOptions
 from .storage import Storage, storage_for
 from .tiers import MemoryTier, TieredLoadReport  # the memory tier (issue 23): hooks in the block at the end
+from .tiers.hosts import StepHolding
 from .tiers.tiered import Tiers
 
 if TYPE_CHECKING:
@@ -855,20 +856,20 @@ class CheckpointManager:
             except ShardpointError:  # nothing on the root is fit
                 return None, newest.step
 
-    def _snapshot_info(self, step: int, entry: Mapping[str, Any] | None) -> CheckpointInfo:
+    def _snapshot_info(self, step: int, entry: StepHolding | None) -> CheckpointInfo:
         """A memory snapshot as a :class:`CheckpointInfo` (for ``accept`` and health):
         from a host's inventory entry, or (None) from this host's copy of its manifest."""
         assert self._tiers is not None
         if entry is None:
             man = read_manifest(self._tiers.area.storage(step))
-            entry = {"created": man.created, "world_size": man.world_size, "nonfinite": man.nonfinite,
-                     "nan": man.nan, "roles": man.roles, "metrics": man.metrics, "need": {}}
-        nonfinite, nan, roles = tuple(entry.get("nonfinite") or ()), entry.get("nan"), dict(entry.get("roles") or {})
+            entry = StepHolding(created=man.created, world_size=man.world_size, nonfinite=list(man.nonfinite or []),
+                                nan=man.nan, roles=dict(man.roles), metrics=dict(man.metrics), need={})
+        nonfinite, nan, roles = tuple(entry.nonfinite), entry.nan, dict(entry.roles)
         return CheckpointInfo(
             step=step, path=self._tiers.area.storage(step).url,
-            time=datetime.fromtimestamp(float(entry.get("created") or 0.0), tz=timezone.utc),
-            size=sum(int(v) for v in (entry.get("need") or {}).values()), world_size=int(entry.get("world_size") or 0),
-            nonfinite=nonfinite, metrics=dict(entry.get("metrics") or {}), unfit=self.health.unfit(nonfinite, nan, roles),
+            time=datetime.fromtimestamp(entry.created, tz=timezone.utc),
+            size=sum((entry.need or {}).values()), world_size=entry.world_size,
+            nonfinite=nonfinite, metrics=dict(entry.metrics), unfit=self.health.unfit(nonfinite, nan, roles),
             nan=None if nan is None else tuple(nan), roles=roles)
 
     def __repr__(self) -> str:

@@ -9,10 +9,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from shardpoint.format.manifest import MANIFEST_NAME
-from shardpoint.tiers.hosts import Hosts, drain_parts, rank_files, redrain_parts, replica_plan, restore_plan
+from shardpoint.tiers.hosts import (
+    Hosts,
+    Inventory,
+    StepHolding,
+    drain_parts,
+    rank_files,
+    redrain_parts,
+    replica_plan,
+    restore_plan,
+)
 from shardpoint.tiers.shm import JobArea
 from tests._dist import run_ranks
 
@@ -55,12 +65,12 @@ def test_replication_sends_the_state_times_replicas() -> None:
     assert drain_parts(h, saver) == {0: saver[0] + saver[1], 1: saver[2] + saver[3]}
 
 
-def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> dict[str, Any]:
+def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> Inventory:
     need = {n: s for n, s in ((n, e["size"]) for n, e in files(world, sid).items())}
     need.update({e["index"]["name"]: 10 for e in files(world, sid).values()})
-    return {str(step): {"save_id": sid if man else None, "healthy": True, "nonfinite": [], "manifest": 500 if man else None,
-                        "need": need if man else None, "sha": {}, "data": sorted(files(world, sid)) if man else [],
-                        "have": {n: [s, rel] for n, (s, rel) in have.items()}}}
+    if not man:
+        return {str(step): StepHolding(have=dict(have))}
+    return {str(step): StepHolding(save_id=sid, manifest=500, need=need, data=sorted(files(world, sid)), have=dict(have))}
 
 
 def host_files(ranks: list[int], sid: str, rel: str = "") -> dict[str, tuple[int, str]]:
@@ -82,7 +92,8 @@ def test_restore_picks_the_newest_step_the_present_hosts_hold_between_them() -> 
     assert restore_plan(a_only, [inv_a], durable=8)[0] == []  # the durable tier is newer
     # the replica is one byte short (a torn copy under its final name): never counted
     torn = {**inv_a}
-    torn["7"] = {**inv_a["7"], "have": {**inv_a["7"]["have"], "r00003-s7.safetensors": [102, "replicas/r00003-s7.safetensors"]}}
+    torn["7"] = msgspec.structs.replace(
+        inv_a["7"], have={**inv_a["7"].have, "r00003-s7.safetensors": (102, "replicas/r00003-s7.safetensors")})
     assert restore_plan(a_only, [torn], durable=None)[0] == []
 
 
@@ -116,9 +127,14 @@ def test_inventory_never_lists_half_written_files(tmp_path: Path) -> None:
     (folder / "r00000-s.safetensors").write_bytes(b"x" * 5)
     (folder / "replicas" / "r00002-s.safetensors").write_bytes(b"y" * 7)
     (folder / "replicas" / ".r00003-s.safetensors.part-1-ab").write_bytes(b"z")
+    (folder / "ranges" / "r00003-s.safetensors").mkdir(parents=True)
+    (folder / "ranges" / "r00003-s.safetensors" / "10-14").write_bytes(b"abcd")
+    (folder / "ranges" / "r00003-s.safetensors" / "20-30").write_bytes(b"short")  # torn: never counted
+    (folder / "ranges" / "r00003-s.safetensors" / ".30-34.part-1-ab").write_bytes(b"abcd")
     inv = area.inventory()["3"]
-    assert inv["save_id"] is None and inv["have"] == {"r00000-s.safetensors": [5, "r00000-s.safetensors"],
-                                                       "r00002-s.safetensors": [7, "replicas/r00002-s.safetensors"]}
+    assert inv.save_id is None and inv.have == {"r00000-s.safetensors": (5, "r00000-s.safetensors"),
+                                                "r00002-s.safetensors": (7, "replicas/r00002-s.safetensors")}
+    assert inv.ranges == {"r00003-s.safetensors": [(10, 14, "ranges/r00003-s.safetensors/10-14")]}
     area.place(3, ["r00002-s.safetensors"])
     assert area.origin(3, "r00002-s.safetensors") == "replica" and area.origin(3, "r00000-s.safetensors") == "own"
 

@@ -6,14 +6,13 @@ on real files). The restores over real hosts: tests/distributed/test_tiers_peer.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.load.read import FileRange
 from shardpoint.storage.local import LocalStorage
-from shardpoint.tiers.hosts import Hosts
+from shardpoint.tiers.hosts import Hosts, StepHolding
 from shardpoint.tiers.peer import Wants, plan_fetch
 from shardpoint.tiers.replicate import span
 from shardpoint.tiers.shm import PrivateStorage
@@ -22,8 +21,8 @@ from shardpoint.tiers.view import TieredView
 SIZES = {f"f{i}": 1000 + i for i in range(4)}
 
 
-def have(*names: str, rel: str = "") -> dict[str, Any]:
-    return {"have": {n: [SIZES[n], f"{rel}/{n}" if rel else n] for n in names}}
+def have(*names: str, rel: str = "") -> dict[str, tuple[int, str]]:
+    return {n: (SIZES[n], f"{rel}/{n}" if rel else n) for n in names}
 
 
 def wants(*ranges: tuple[str, int, int]) -> Wants:
@@ -33,8 +32,8 @@ def wants(*ranges: tuple[str, int, int]) -> Wants:
 
 def test_each_host_fetches_its_ranks_ranges_once_from_a_holder() -> None:
     two = Hosts.of(["a", "a", "b", "b"])
-    holdings = [{**have("f0", "f1"), "have": {**have("f0", "f1")["have"], **have("f2", "f3", rel="replicas")["have"]}},
-                {}]  # host B: an empty replacement
+    holdings = [StepHolding(have={**have("f0", "f1"), **have("f2", "f3", rel="replicas")}),
+                StepHolding()]  # host B: an empty replacement
     # both of B's ranks read bytes 10..30 of f0 (a replicated value): they travel once
     w = [None, None, wants(("f0", 10, 20), ("f2", 0, 1002)), wants(("f0", 15, 30), ("f3", 0, 1003))]
     orders = plan_fetch(two, holdings, SIZES, w)
@@ -54,7 +53,7 @@ def test_each_host_fetches_its_ranks_ranges_once_from_a_holder() -> None:
 def test_a_range_fetched_before_serves_and_a_lost_range_is_named() -> None:
     hosts = Hosts.of(["b", "c"])
     # host C holds f1 whole and bytes 0..50 of f0 (fetched by an earlier restore); B needs f0 10..20
-    holdings = [{}, {**have("f1"), "ranges": {"f0": [[0, 50, "ranges/f0/0-50"]]}}]
+    holdings = [StepHolding(), StepHolding(have=have("f1"), ranges={"f0": [(0, 50, "ranges/f0/0-50")]})]
     [_, o] = plan_fetch(hosts, holdings, SIZES, [wants(("f0", 10, 20), ("f1", 5, 6)), None])
     got = sorted((m.name, m.src_rel, m.offset, m.size, m.src_size) for m in o.moves)
     assert got == [("f0", "ranges/f0/0-50", 10, 10, 50), ("f1", "f1", 5, 1, 1001)]

@@ -138,6 +138,39 @@ def drain_parts(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]]) -> dic
     return parts
 
 
+class StepHolding(msgspec.Struct, frozen=True, kw_only=True):
+    """What one host holds of one step: its inventory entry (:meth:`.shm.JobArea.inventory`).
+    The manifest's record (``save_id`` to ``sha``) is empty when the host holds no
+    readable manifest of the step."""
+
+    save_id: str | None = None
+    healthy: bool = True
+    """By the default :class:`~shardpoint.health.HealthRule`."""
+    nonfinite: list[str] = []
+    nan: list[str] | None = None
+    roles: dict[str, str] = {}
+    metrics: dict[str, float] = {}
+    created: float = 0.0
+    world_size: int = 0
+    manifest: int | None = None
+    """The manifest's size."""
+    need: dict[str, int] | None = None
+    """Every file the manifest names (data files and indexes), with its size."""
+    data: list[str] = []
+    """The data files among ``need``."""
+    sha: dict[str, str] = {}
+    """Each index's SHA-256, as the manifest records it."""
+    have: dict[str, tuple[int, str]] = {}
+    """Every file present in the step folder, its ``replicas/`` and ``fetched/``: name ->
+    (size, path relative to the step folder; the step folder's own copy preferred)."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    """Byte ranges of data files under ``ranges/``: name -> [(start, stop, relpath)] by offset."""
+
+
+#: One host's inventory: step (as a string) -> what it holds of it.
+Inventory = dict[str, StepHolding]
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A step restorable in full from the present hosts, and how: ``fetch``, the whole
@@ -158,23 +191,20 @@ class Candidate:
         return Candidate(int(d["step"]), str(d["save_id"]), msgspec.convert(d["fetch"], list[Move]))
 
 
-def unhealthy(step: int, entry: Mapping[str, Any]) -> str:
+def unhealthy(step: int, entry: StepHolding) -> str:
     """Why a snapshot is not fit to resume from by its health alone ("" when it is)."""
-    if entry.get("healthy", True):
+    if entry.healthy:
         return ""
-    return f"it holds non-finite values in {list(entry.get('nonfinite', []))[:5]}"
+    return f"it holds non-finite values in {list(entry.nonfinite)[:5]}"
 
 
-def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable: int | None,
-                 judge: Callable[[int, Mapping[str, Any]], str] = unhealthy,
+def restore_plan(hosts: Hosts, inventories: Sequence[Inventory], durable: int | None,
+                 judge: Callable[[int, StepHolding], str] = unhealthy,
                  ) -> tuple[list[Candidate], dict[int, str]]:
     """The steps restorable in full from what the present hosts hold, newest first, and
     the steps passed over with why.
 
-    ``inventories[h]`` is host ``h``'s: step (as a string) -> ``{"save_id", "healthy",
-    "manifest" (its size), "need" ({name: size}), "have" ({name: [size, relpath]})}``,
-    where ``save_id``/``manifest``/``need`` are None when the host holds no manifest of
-    that step, and ``data`` lists the data files among ``need``. A step is restorable
+    ``inventories[h]`` is host ``h``'s (:class:`StepHolding` per step). A step is restorable
     when some host holds a manifest of it that ``judge(step, inventory entry)`` finds
     fit (it returns why not, "" when fit; by default: healthy), it is at least as new
     as ``durable``, and every file its manifest names is on some host at its size.
@@ -184,8 +214,8 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
     by_step: dict[tuple[int, str], list[int]] = {}  # (step, save id) -> hosts holding its manifest
     for h, inv in enumerate(inventories):
         for key, st in inv.items():
-            if st.get("save_id") is not None:
-                by_step.setdefault((int(key), str(st["save_id"])), []).append(h)
+            if st.save_id is not None:
+                by_step.setdefault((int(key), st.save_id), []).append(h)
     out: list[Candidate] = []
     passed: dict[int, str] = {}
     for (step, sid), holders in sorted(by_step.items(), key=lambda kv: (kv[0][0], len(kv[1])), reverse=True):
@@ -196,16 +226,17 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
         if why:
             passed[step] = why
             continue
-        need: dict[str, int] = dict(first["need"])
-        need[MANIFEST_NAME] = int(first["manifest"])
+        need: dict[str, int] = dict(first.need or {})
+        need[MANIFEST_NAME] = int(first.manifest or 0)
         where: dict[str, list[tuple[int, str]]] = {}
         for h, inv in enumerate(inventories):
-            st = inv.get(str(step))
-            if st is None:
+            held = inv.get(str(step))
+            if held is None:
                 continue
-            if st.get("save_id") == sid:
+            st = held
+            if st.save_id == sid:
                 where.setdefault(MANIFEST_NAME, []).append((h, MANIFEST_NAME))
-            for name, (size, rel) in st.get("have", {}).items():
+            for name, (size, rel) in st.have.items():
                 if need.get(name) == size and name != MANIFEST_NAME:
                     where.setdefault(name, []).append((h, rel))
         lost = sorted(n for n in need if n not in where)
@@ -214,7 +245,7 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
             continue
         fetch: list[Move] = []
         turn = 0
-        data = set(first.get("data") or ())
+        data = set(first.data)
         for name in sorted((n for n in need if n not in data), key=lambda n: n == MANIFEST_NAME):  # the manifest last
             holders_of = {h: rel for h, rel in reversed(where[name])}
             src_h = min(holders_of)
@@ -230,7 +261,7 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], durable
     return out, passed
 
 
-def redrain_parts(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], chosen: Candidate,
+def redrain_parts(hosts: Hosts, inventories: Sequence[Inventory], chosen: Candidate,
                   due: Sequence[int], durable: int | None) -> tuple[int, str, dict[int, list[list[Any]]]] | None:
     """After restoring ``chosen``: the newest step due for durability (in ``due``),
     newer than ``durable`` and not newer than the restored step, whose snapshot is
@@ -240,23 +271,24 @@ def redrain_parts(hosts: Hosts, inventories: Sequence[Mapping[str, Any]], chosen
     for step in sorted(due, reverse=True):
         if step > chosen.step or (durable is not None and step <= durable):
             continue
+        nothing = StepHolding()
         if step == chosen.step:  # rank 0's host holds its manifest once the restore's fetch is done
             st0 = next((inv[str(step)] for inv in inventories
-                        if inv.get(str(step), {}).get("save_id") == chosen.save_id), None)
+                        if inv.get(str(step), nothing).save_id == chosen.save_id), None)
             if st0 is None:
                 return None
         else:
             st0 = inventories[0].get(str(step))
-            if st0 is None or st0.get("save_id") is None or not st0.get("healthy", True):
+            if st0 is None or st0.save_id is None or not st0.healthy:
                 continue
         parts: dict[int, list[list[Any]]] = {}
-        for name, size in st0["need"].items():
+        for name, size in (st0.need or {}).items():
             for h in range(len(inventories)):
-                got = inventories[h].get(str(step), {}).get("have", {}).get(name)
+                got = inventories[h].get(str(step), nothing).have.get(name)
                 if got is not None and got[0] == size:
-                    parts.setdefault(h, []).append([got[1], name, size, st0.get("sha", {}).get(name)])
+                    parts.setdefault(h, []).append([got[1], name, size, st0.sha.get(name)])
                     break
             else:
                 return None
-        return step, str(st0["save_id"]), parts
+        return step, str(st0.save_id), parts
     return None

@@ -19,7 +19,7 @@ nothing, so it fetches exactly what its ranks read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -29,7 +29,7 @@ from ..collective import Comm, agree, coordinate
 from ..errors import CollectiveMismatchError, ShardpointError
 from ..load.read import FileRange
 from ..plan.restore import DURABLE, HeldRange, Inventory, Needs, NewWorld, SnapshotLayout, choose_sources
-from .hosts import RANGES, Hosts
+from .hosts import RANGES, Hosts, StepHolding
 from .replicate import Move, tagged, transfer
 from .view import TieredView
 
@@ -64,11 +64,10 @@ def _merge(ranges: Sequence[FileRange]) -> list[FileRange]:
     return out
 
 
-def plan_fetch(hosts: Hosts, holdings: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
+def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str, int],
                wants: Sequence[Wants | None]) -> list[Order]:
     """Rank 0, pure: from each rank's :class:`Wants` (None: nothing) and each host's
-    holdings of the step (its inventory entry: ``have`` {name: [size, relpath]},
-    ``ranges`` {name: [[start, stop, relpath], ...]}), every rank's :class:`Order`.
+    holdings of the step (its inventory entry: whole files and ranges), every rank's :class:`Order`.
     ``sizes``: the data files' sizes. Each host's ranks' ranges are merged (a byte two
     of its ranks read travels once); the holder of each (reader host, file) is chosen
     by :func:`~shardpoint.plan.restore.choose_sources`; senders and receivers rotate
@@ -87,10 +86,8 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[Mapping[str, Any]], sizes: Mappi
     index = {n: i for i, n in enumerate(names)}
     invs = []
     for h, st in enumerate(holdings):
-        whole = frozenset(index[n] for n, (size, _rel) in st.get("have", {}).items()
-                          if n in index and int(size) == sizes[n])
-        held = tuple(HeldRange(index[n], int(a), int(b)) for n, v in st.get("ranges", {}).items() if n in index
-                     for a, b, _rel in v)
+        whole = frozenset(index[n] for n, (size, _rel) in st.have.items() if n in index and size == sizes[n])
+        held = tuple(HeldRange(index[n], a, b) for n, v in st.ranges.items() if n in index for a, b, _rel in v)
         invs.append(Inventory(h, whole, held))
     orders: list[list[Move]] = [[] for _ in range(len(hosts.of_rank))]
     incoming = [0] * n_hosts
@@ -122,7 +119,7 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[Mapping[str, Any]], sizes: Mappi
             for r in range(len(hosts.of_rank))]
 
 
-def _moves(hosts: Hosts, holdings: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
+def _moves(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str, int],
            rows: Sequence[tuple[int, FileRange]], source: Sequence[int]) -> list[Move]:
     """The moves of the planned rows: per (reader host, file, holder), ranges that touch
     made one, from the holder's whole file; from a holder of ranges, each row from the
@@ -134,14 +131,13 @@ def _moves(hosts: Hosts, holdings: Sequence[Mapping[str, Any]], sizes: Mapping[s
     out: list[Move] = []
     turn = 0
     for (h, name, src), rs in sorted(groups.items()):
-        whole = holdings[src].get("have", {}).get(name)
+        whole = holdings[src].have.get(name)
         pieces: list[tuple[int, int, int, str, int]] = []  # start, stop, offset in the source, its relpath, its size
-        if whole is not None and int(whole[0]) == sizes[name]:
-            pieces = [(r.start, r.stop, r.start, str(whole[1]), sizes[name]) for r in _merge(rs)]
+        if whole is not None and whole[0] == sizes[name]:
+            pieces = [(r.start, r.stop, r.start, whole[1], sizes[name]) for r in _merge(rs)]
         else:
             for r in rs:
-                a, b, rel = next((int(a), int(b), str(rel)) for a, b, rel in holdings[src]["ranges"][name]
-                                 if int(a) <= r.start and r.stop <= int(b))
+                a, b, rel = next(p for p in holdings[src].ranges[name] if p[0] <= r.start and r.stop <= p[1])
                 pieces.append((r.start, r.stop, r.start - a, rel, b - a))
         for a, b, off, rel, src_size in pieces:
             there, here = hosts.ranks[src], hosts.ranks[h]
@@ -159,7 +155,7 @@ class PeerFetch:
     own planning) failed, alike on every rank."""
 
     def __init__(self, comm: Comm, hosts: Hosts, view: TieredView, step: int,
-                 holdings: Sequence[Mapping[str, Any]] | None, make_folder: Any = None) -> None:
+                 holdings: Sequence[StepHolding] | None, make_folder: Callable[[], None] | None = None) -> None:
         self.comm, self.hosts, self.view, self.step = comm, hosts, view, step
         self.holdings = holdings
         self.make_folder = make_folder

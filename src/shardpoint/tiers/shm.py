@@ -24,7 +24,7 @@ from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
 from .config import job_folder
-from .hosts import FETCHED, RANGES, REPLICAS, needed
+from .hosts import FETCHED, RANGES, REPLICAS, Inventory, StepHolding, needed
 
 JOB_FILE = "job.json"
 #: Folders of freed snapshots whose bytes are being removed (``JobArea.free``).
@@ -268,36 +268,28 @@ class JobArea:
                     continue
         return total
 
-    def inventory(self) -> dict[str, dict[str, Any]]:
-        """What this host holds, for the restore ladder over hosts: step (a string) ->
-        ``save_id``, ``healthy`` (by the default :class:`~shardpoint.health.HealthRule`),
-        ``nonfinite``, ``nan``, ``roles``, ``metrics``, ``created``, ``world_size``,
-        ``manifest`` (its size), ``need`` (the files the manifest names, with their
-        sizes), ``data`` (the data files among them) and ``sha`` (the indexes'
-        SHA-256), all None/empty without a manifest; ``have``: every file present in
-        the step folder, its ``replicas/`` and ``fetched/``, as ``[size, relpath]``
-        (the step folder's own copy preferred); ``ranges``: the byte ranges of data
-        files held under ``ranges/`` (fetched by a restore), name -> ``[[start, stop,
-        relpath], ...]``. Temporary (half-written) files are never listed."""
-        out: dict[str, dict[str, Any]] = {}
+    def inventory(self) -> Inventory:
+        """What this host holds, for the restore ladder over hosts: a
+        :class:`~.hosts.StepHolding` per step folder (the manifest's record empty
+        without a readable manifest). Temporary (half-written) files are never listed."""
+        out: Inventory = {}
         if not self.owned():
             return out
         for step in self.steps():
             st = self.storage(step)
-            entry: dict[str, Any] = {"save_id": None, "healthy": True, "nonfinite": [], "nan": None, "roles": {},
-                                     "metrics": {}, "created": 0.0, "world_size": 0, "manifest": None, "need": None,
-                                     "sha": {}, "have": {}, "data": [], "ranges": held_ranges(st.inner.root)}
+            record: dict[str, Any] = {}
             try:
                 man = read_manifest(st)
-                entry.update(save_id=man.save_id, healthy=not HealthRule().unfit(man.nonfinite, man.nan, man.roles),
-                             nonfinite=list(man.nonfinite or []), nan=man.nan, roles=dict(man.roles),
-                             metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
-                             manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
-                             need=needed(man.files), data=sorted(man.files),
-                             sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()
-                                  if isinstance(f.get("index"), dict)})
+                record = dict(save_id=man.save_id, healthy=not HealthRule().unfit(man.nonfinite, man.nan, man.roles),
+                              nonfinite=list(man.nonfinite or []), nan=man.nan, roles=dict(man.roles),
+                              metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
+                              manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
+                              need=needed(man.files), data=sorted(man.files),
+                              sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()
+                                   if isinstance(f.get("index"), dict)})
             except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
                 pass
+            have: dict[str, tuple[int, str]] = {}
             for rel in (FETCHED, REPLICAS, ""):
                 folder = os.path.join(st.inner.root, rel)
                 try:
@@ -309,10 +301,10 @@ class JobArea:
                     if n.startswith(".") or n == MANIFEST_NAME or not os.path.isfile(path):
                         continue
                     try:
-                        entry["have"][n] = [os.path.getsize(path), f"{rel}/{n}" if rel else n]
+                        have[n] = (os.path.getsize(path), f"{rel}/{n}" if rel else n)
                     except OSError:
                         continue
-            out[str(step)] = entry
+            out[str(step)] = StepHolding(**record, have=have, ranges=held_ranges(st.inner.root))
         return out
 
     def place(self, step: int, names: Iterable[str]) -> None:
@@ -355,11 +347,11 @@ class JobArea:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def held_ranges(root: str) -> dict[str, list[list[Any]]]:
+def held_ranges(root: str) -> dict[str, list[tuple[int, int, str]]]:
     """The byte ranges of data files under ``root/ranges/`` (a step folder): name ->
-    ``[[start, stop, relpath], ...]`` by offset; a file counts only at its full size
+    ``[(start, stop, relpath), ...]`` by offset; a file counts only at its full size
     (``<start>-<stop>`` long), temporary ones never."""
-    out: dict[str, list[list[Any]]] = {}
+    out: dict[str, list[tuple[int, int, str]]] = {}
     top = os.path.join(root, RANGES)
     try:
         names = os.listdir(top)
@@ -379,7 +371,7 @@ def held_ranges(root: str) -> dict[str, list[list[Any]]]:
                     continue
             except OSError:
                 continue
-            out.setdefault(name, []).append([int(a), int(b), f"{RANGES}/{name}/{p}"])
+            out.setdefault(name, []).append((int(a), int(b), f"{RANGES}/{name}/{p}"))
     for v in out.values():
         v.sort()
     return out

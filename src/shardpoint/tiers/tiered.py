@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import msgspec
+
 from ..collective import Comm, agree
 from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
@@ -50,6 +52,8 @@ from .drain import Drainer, DrainJob, DrainResult
 from .hosts import (
     Candidate,
     Hosts,
+    Inventory,
+    StepHolding,
     drain_parts,
     needed,
     rank_files,
@@ -121,7 +125,7 @@ class Tiers:
         #: The last :meth:`restore_memory`: the steps the present hosts held in full (every rank).
         self.restorable: list[int] = []
         #: Rank 0, in :meth:`restore_memory`: each present host's inventory (what it holds of each step).
-        self._invs: list[dict[str, Any]] = []
+        self._invs: list[Inventory] = []
 
     def _comm(self) -> Comm:
         return Comm(self.process_group, self.timeout)
@@ -418,7 +422,7 @@ class Tiers:
 
     def restore_memory(self, state: Any, durable_step: int | None, *, only: list[str] | str | None,
                        exclude: list[str] | str | None, strict: bool,
-                       judge: Callable[[int, Mapping[str, Any]], str] = unhealthy,
+                       judge: Callable[[int, StepHolding], str] = unhealthy,
                        step: int | None = None, root_newest: int | None = None) -> TieredLoadReport | None:
         """Load the newest snapshot the present hosts hold in full between them that
         ``judge`` finds fit (by default: healthy; see :func:`.hosts.restore_plan`), if it
@@ -438,7 +442,7 @@ class Tiers:
         hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
         leader = self._leader(comm)
         # each host's inventory to rank 0, which plans; its plan (or its error: a caller's accept= may raise) to all
-        plan = agree(comm, self.area.inventory() if leader else None, None,
+        plan = agree(comm, msgspec.to_builtins(self.area.inventory()) if leader else None, None,
                      lambda got: self._plan(hosts, got, durable_step, judge, step, root_newest))
         self.restorable = list(plan["restorable"])
         self.passed = {}
@@ -466,7 +470,7 @@ class Tiers:
             fetch = None
             if len(hosts) > 1:  # each host's ranks' byte ranges of the data files it lacks, from the nearest holder
                 fetch = PeerFetch(comm, hosts, view, cand.step,
-                                  [inv.get(str(at), {}) for inv in self._invs] if comm.rank == 0 else None,
+                                  [inv.get(str(at), StepHolding()) for inv in self._invs] if comm.rank == 0 else None,
                                   make_folder=self.area.open)
             try:
                 report = load_state(comm, view, state, LoadOptions(strict=strict, only=only, exclude=exclude),
@@ -492,12 +496,12 @@ class Tiers:
         return None
 
     def _plan(self, hosts: Hosts, got: list[Any], durable_step: int | None,
-              judge: Callable[[int, Mapping[str, Any]], str], step: int | None,
+              judge: Callable[[int, StepHolding], str], step: int | None,
               root_newest: int | None) -> dict[str, Any]:
         """Rank 0: from every host's inventory, the snapshots passed over (why), the
         steps held in full, and the candidates in order with their re-drains (JSON,
         for every rank)."""
-        invs = [got[hosts.leader(h)] for h in range(len(hosts))]
+        invs = [msgspec.convert(got[hosts.leader(h)], Inventory) for h in range(len(hosts))]
         self._invs = invs  # the holdings of the step chosen: its byte ranges are planned from them
         cands, passed = restore_plan(hosts, invs, durable_step, judge)
         restorable = sorted(c.step for c in cands)

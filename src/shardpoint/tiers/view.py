@@ -35,7 +35,7 @@ class TieredView(Delegating):
 
     def refresh(self) -> None:
         """Look again at what the folder holds (after a fetch)."""
-        self.pieces = {n: [(int(a), int(b), str(rel)) for a, b, rel in v] for n, v in held_ranges(self.inner.inner.root).items()}
+        self.pieces = held_ranges(self.inner.inner.root)
         self._starts = {n: [a for a, _, _ in v] for n, v in self.pieces.items()}
         self._whole = {}
 
