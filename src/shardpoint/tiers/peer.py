@@ -195,14 +195,17 @@ class PeerFetch:
             if any(m.dst == comm.rank for m in order.moves) and self.make_folder is not None:
                 self.make_folder()
             problems = transfer(comm, self.view.inner.inner.root, order.moves, progress=comm.timeout)
-        except ShardpointError as e:  # a peer died or hangs mid-transfer: name it and its host
-            peers = sorted({m.src if m.dst == comm.rank else m.dst for m in order.moves} - {comm.rank})
-            where = ", ".join(f"rank {p} on host {hosts.names[hosts.of_rank[p]]}" for p in peers)
-            gone = CollectiveMismatchError(
-                f"restoring memory snapshot {self.step}: rank {comm.rank} (host {hosts.names[hosts.of_rank[comm.rank]]}) "
-                f"was exchanging byte ranges with {where} when the transfer failed ({e}). Nothing was loaded; "
-                "restart the job (the restore then reads what the present hosts hold)", ranks=peers)
-            err = gone
+        except ShardpointError as e:
+            if isinstance(e.__cause__, OSError):  # this host's own files: fanned out to every rank
+                err = e
+            else:  # a peer died or hangs mid-transfer: name it and its host
+                peers = sorted({m.src if m.dst == comm.rank else m.dst for m in order.moves} - {comm.rank})
+                where = ", ".join(f"rank {p} on host {hosts.names[hosts.of_rank[p]]}" for p in peers)
+                gone = CollectiveMismatchError(
+                    f"restoring memory snapshot {self.step}: rank {comm.rank} (host {hosts.names[hosts.of_rank[comm.rank]]}) "
+                    f"was exchanging byte ranges with {where} when the transfer failed ({e}). Nothing was loaded; "
+                    "restart the job (the restore then reads what the present hosts hold)", ranks=peers)
+                err = gone
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
             err = e
         if gone is not None:
