@@ -14,8 +14,8 @@ import pytest
 
 from shardpoint.format.manifest import MANIFEST_NAME
 from shardpoint.tiers.hosts import (
+    HostInventory,
     Hosts,
-    Inventory,
     StepHolding,
     drain_parts,
     rank_files,
@@ -65,7 +65,7 @@ def test_replication_sends_the_state_times_replicas() -> None:
     assert drain_parts(h, saver) == {0: saver[0] + saver[1], 1: saver[2] + saver[3]}
 
 
-def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> Inventory:
+def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> HostInventory:
     need = {n: s for n, s in ((n, e["size"]) for n, e in files(world, sid).items())}
     need.update({e["index"]["name"]: 10 for e in files(world, sid).values()})
     if not man:

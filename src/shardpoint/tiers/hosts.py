@@ -167,8 +167,9 @@ class StepHolding(msgspec.Struct, frozen=True, kw_only=True):
     """Byte ranges of data files under ``ranges/``: name -> [(start, stop, relpath)] by offset."""
 
 
-#: One host's inventory: step (as a string) -> what it holds of it.
-Inventory = dict[str, StepHolding]
+#: One host's inventory: step (as a string) -> what it holds of it (``plan.restore.Inventory`` is one
+#: host's holdings of one snapshot, in the planner's terms: :func:`.peer.plan_fetch` makes those from these).
+HostInventory = dict[str, StepHolding]
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +199,7 @@ def unhealthy(step: int, entry: StepHolding) -> str:
     return f"it holds non-finite values in {list(entry.nonfinite)[:5]}"
 
 
-def restore_plan(hosts: Hosts, inventories: Sequence[Inventory], durable: int | None,
+def restore_plan(hosts: Hosts, inventories: Sequence[HostInventory], durable: int | None,
                  judge: Callable[[int, StepHolding], str] = unhealthy,
                  ) -> tuple[list[Candidate], dict[int, str]]:
     """The steps restorable in full from what the present hosts hold, newest first, and
@@ -261,7 +262,7 @@ def restore_plan(hosts: Hosts, inventories: Sequence[Inventory], durable: int | 
     return out, passed
 
 
-def redrain_parts(hosts: Hosts, inventories: Sequence[Inventory], chosen: Candidate,
+def redrain_parts(hosts: Hosts, inventories: Sequence[HostInventory], chosen: Candidate,
                   due: Sequence[int], durable: int | None) -> tuple[int, str, dict[int, list[list[Any]]]] | None:
     """After restoring ``chosen``: the newest step due for durability (in ``due``),
     newer than ``durable`` and not newer than the restored step, whose snapshot is

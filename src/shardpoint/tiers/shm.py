@@ -24,7 +24,7 @@ from ..load.locate import read_manifest
 from ..storage.base import Delegating, Storage
 from ..storage.local import LocalStorage
 from .config import job_folder
-from .hosts import FETCHED, RANGES, REPLICAS, Inventory, StepHolding, needed
+from .hosts import FETCHED, RANGES, REPLICAS, HostInventory, StepHolding, needed
 
 JOB_FILE = "job.json"
 #: Folders of freed snapshots whose bytes are being removed (``JobArea.free``).
@@ -268,11 +268,11 @@ class JobArea:
                     continue
         return total
 
-    def inventory(self) -> Inventory:
+    def inventory(self) -> HostInventory:
         """What this host holds, for the restore ladder over hosts: a
         :class:`~.hosts.StepHolding` per step folder (the manifest's record empty
         without a readable manifest). Temporary (half-written) files are never listed."""
-        out: Inventory = {}
+        out: HostInventory = {}
         if not self.owned():
             return out
         for step in self.steps():

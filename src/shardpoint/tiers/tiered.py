@@ -51,8 +51,8 @@ from .config import MemoryTier, job_identity
 from .drain import Drainer, DrainJob, DrainResult
 from .hosts import (
     Candidate,
+    HostInventory,
     Hosts,
-    Inventory,
     StepHolding,
     drain_parts,
     needed,
@@ -125,7 +125,7 @@ class Tiers:
         #: The last :meth:`restore_memory`: the steps the present hosts held in full (every rank).
         self.restorable: list[int] = []
         #: Rank 0, in :meth:`restore_memory`: each present host's inventory (what it holds of each step).
-        self._invs: list[Inventory] = []
+        self._invs: list[HostInventory] = []
 
     def _comm(self) -> Comm:
         return Comm(self.process_group, self.timeout)
@@ -501,7 +501,7 @@ class Tiers:
         """Rank 0: from every host's inventory, the snapshots passed over (why), the
         steps held in full, and the candidates in order with their re-drains (JSON,
         for every rank)."""
-        invs = [msgspec.convert(got[hosts.leader(h)], Inventory) for h in range(len(hosts))]
+        invs = [msgspec.convert(got[hosts.leader(h)], HostInventory) for h in range(len(hosts))]
         self._invs = invs  # the holdings of the step chosen: its byte ranges are planned from them
         cands, passed = restore_plan(hosts, invs, durable_step, judge)
         restorable = sorted(c.step for c in cands)
