@@ -110,13 +110,14 @@ def train_then_lose(tmp: Path, ns: list[str], names: list[str], per_host: int, j
             p.wait(timeout=30)
 
 
-def resume(tmp: Path, ns: list[str], names: list[str], per_host: int, port: int, job: str, argv: list[str],
-           env: dict[str, str], name: str) -> list[dict[str, Any]]:
-    """Restart the job on the hosts of ``ns``; every rank's result, by rank."""
+def resume(tmp: Path, ns: list[str], names: list[str], per_host: int | list[int], port: int, job: str,
+           argv: list[str], env: dict[str, str], name: str) -> list[dict[str, Any]]:
+    """Restart the job on the hosts of ``ns`` (``per_host`` ranks each, or so many on each); every rank's result, by rank."""
+    nproc = per_host if isinstance(per_host, list) else [per_host] * len(ns)
     logs = [tmp / f"{name}-{i}.log" for i in range(len(ns))]
-    _finish([node(n, i, names[i], len(ns), per_host, port, job, ["resume", *argv, name], env, log)
+    _finish([node(n, i, names[i], len(ns), nproc[i], port, job, ["resume", *argv, name], env, log)
              for i, (n, log) in enumerate(zip(ns, logs))], logs, f"the restart {name}")
-    return [json.loads((Path(argv[0]) / f"{name}-{r}.json").read_text()) for r in range(len(ns) * per_host)]
+    return [json.loads((Path(argv[0]) / f"{name}-{r}.json").read_text()) for r in range(sum(nproc))]
 
 
 def check(results: list[dict[str, Any]], out: Path) -> None:
@@ -156,7 +157,9 @@ def test_two_hosts_host_lost_then_an_empty_replacement_fetches_only_its_ranks_by
     empty replacement host B' joins and the 2 x 2 job restores: B' receives the byte
     ranges its ranks read (no more than 1.1x what they need, counted by the restore
     and at B's network interface), far less than the whole snapshot the old restore
-    copied to it. Both byte-equal to the run at step 7, losses continuing equal."""
+    copied to it. B' then loses its memory again and rejoins with one rank (world 4 ->
+    3): its rank reads part of old rank 2's file, and B' receives that part, not the
+    file. Each byte-equal to the run at step 7, losses continuing equal."""
     env = _env()
     out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-peer-{uuid.uuid4().hex[:8]}"
     out.mkdir()
@@ -170,8 +173,13 @@ def test_two_hosts_host_lost_then_an_empty_replacement_fetches_only_its_ranks_by
             train_then_lose(tmp_path, ns, names, 2, job, argv, env, 1, base)
             alone = resume(tmp_path, ns[:1], names, 2, 29601, job, argv, env, "alone")
             back = resume(tmp_path, ns, names, 2, 29602, job, argv, env, "back")
+            # B' loses its memory again and rejoins with one rank (world 4 -> 3): that rank reads the last
+            # third of each Shard(0) tensor, part of old rank 2's file and all of rank 3's
+            shutil.rmtree(os.path.join(base, names[1]))
+            uneven = resume(tmp_path, ns, names, [2, 1], 29605, job, argv, env, "uneven")
         check(alone, out)
         check(back, out)
+        check(uneven, out)
         total = snapshot_bytes(root)
         a = per_host(alone)[names[0]]
         print(f"\nhost A alone (2 ranks): received {a['received']} B over the side lane, {a['rx']} B into its "
@@ -193,6 +201,15 @@ def test_two_hosts_host_lost_then_an_empty_replacement_fetches_only_its_ranks_by
         for g in back:
             want = {"own", "replica"} if g["host"] == names[0] else {"fetched"}
             assert set(g["pieces"].values()) == want, (g["host"], g["pieces"])
+        u = per_host(uneven)[names[1]]
+        b_files = sum(int(e["size"]) for e in json.loads((root / "step-00000005" / "manifest.json").read_text())[
+            "files"].values() if int(e["rank"]) in (2, 3))
+        print(f"host B' (2 + 1 ranks, memory wiped again): received {u['received']} B, its rank needs {u['needed']} B "
+              f"({u['received'] / max(1, u['needed']):.3f}x), {u['rx']} B into its interface; old ranks 2 and 3's "
+              f"files (what the old restore copied at least): {b_files} B")
+        assert 0 < u["needed"] <= u["received"] <= 1.1 * u["needed"] + SLACK, u
+        assert u["rx"] <= 1.1 * u["needed"] + SLACK, u
+        assert u["received"] < 0.9 * b_files, (u, b_files)  # part of old rank 2's file: not the whole of it
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
