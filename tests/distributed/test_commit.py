@@ -91,10 +91,10 @@ def test_rank_failing_after_write_leaves_no_manifest(tmp_path: Path) -> None:
     for rank, res in enumerate(results):
         for path, err in res["errors"].items():
             assert err is not None, f"rank {rank}: save to {path} did not raise"
-            if rank == 1:  # its own error, as a ShardpointError (the original chained)
-                assert err[0] == "ShardpointError" and "Boom: disk on fire" in err[1], err
-            else:
-                assert err[0] == "ShardpointError", err  # rank 1 came and failed: no rank is missing
+            if rank == 1:  # its own error, as a RankFailedError naming itself (the original chained)
+                assert err[0] == "RankFailedError" and "Boom: disk on fire" in err[1] and err[2] == [1], err
+            else:  # rank 1 came and failed: no rank is missing; .ranks names the one that failed
+                assert err[0] == "RankFailedError" and err[2] == [1], err
                 assert "rank 1 failed" in err[1] and "disk on fire" in err[1]
         assert res["manifest_same"], "the committed manifest was touched"
         assert res["same"] == res["before"][f"{tmp_path}/same"], "leftovers of the failed save at the old path"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..collective import Comm
-from ..errors import ShardpointError
+from ..errors import MemoryTierError, ShardpointError
 
 #: Bytes per point-to-point message.
 BLOCK = 64 << 20
@@ -180,7 +180,7 @@ def transfer(comm: Comm, folder: str, moves: Sequence[Sequence[Any]], *, backgro
     except ShardpointError:
         raise
     except OSError as e:
-        raise ShardpointError(f"rank {me}: a transfer of snapshot files in {folder} failed ({e}); what it "
+        raise MemoryTierError(f"rank {me}: a transfer of snapshot files in {folder} failed ({e}); what it "
                               "carried is not counted") from e
     finally:
         sends.clear()

@@ -37,7 +37,7 @@ from typing import Any
 
 from ..api import load
 from ..collective import Comm, agree
-from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
+from ..errors import CollectiveMismatchError, CorruptCheckpointError, MemoryTierError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..load.locate import read_manifest
 from ..saving.fence import Owner
@@ -519,7 +519,7 @@ class Tiers:
                 self.area.open()  # this host receives files: its job folder (any rank may make it)
             problems = transfer(comm, storage.inner.root, cand.fetch) if cand.fetch else []
             if problems:
-                error = ShardpointError("; ".join(problems))
+                error = MemoryTierError("; ".join(problems))
         except CollectiveMismatchError:
             raise
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
