@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardpoint import errors
 from shardpoint.errors import ShardpointError
 from shardpoint.plan import (
     Box,
@@ -497,7 +498,7 @@ def test_coordinator_errors_name_the_rank_and_the_key() -> None:
     good = _layout(t, ["w"], [[0]], [[4]])
     # rank 1 describes a 1-D tensor's chunk with two dimensions
     bad = _layout(t, ["w"], [[0, 0]], [[4, 1]])
-    with pytest.raises(ShardpointError, match=r"rank 1 described chunks whose number of dimensions differs"):
+    with pytest.raises(errors.InternalError, match=r"rank 1 described chunks whose number of dimensions differs"):
         co.make_plan([good, bad])
     # a tensor at 'w' on rank 0, a plain value at 'w' on rank 1
     plan = co.make_plan([good, _layout({}, [], [], [])])
