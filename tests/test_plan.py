@@ -506,6 +506,22 @@ def test_coordinator_errors_name_the_rank_and_the_key() -> None:
         co.merge_values(plan, [{"values": {}}, {"values": {"w": ["int", "3"]}}])
 
 
+def test_a_0d_tensor_beside_a_1_element_tensor_keeps_its_own_layout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Their padded boxes are the same, so the plan lists them as one pattern (as AdamW's
+    ``step`` and a 1-element bias are on one process); each manifest entry still has
+    one cut per dimension of its own tensor, and the checkpoint reads back."""
+    import torch
+
+    import shardpoint
+
+    state = {"a": torch.tensor(2.0), "b": torch.ones(1), "c": torch.tensor(5.0), "d": torch.full((1,), 7.0)}
+    shardpoint.save(state, tmp_path / "ck")
+    entries = shardpoint.metadata(tmp_path / "ck")
+    assert {k: entries.tensors[k].shape for k in state} == {"a": (), "b": (1,), "c": (), "d": (1,)}
+    back = shardpoint.load_full(tmp_path / "ck")
+    assert all(torch.equal(back[k], v) and back[k].shape == v.shape for k, v in state.items())
+
+
 def _rank_layouts(world, rows, key_shapes):  # type: ignore[no-untyped-def]
     """Per-rank layout descriptions (as ranks send them) of a ``layouts()`` case."""
     tensors = {f"k{k}": {"dtype": "float32", "shape": list(s), "numpy": False} for k, s in enumerate(key_shapes)}

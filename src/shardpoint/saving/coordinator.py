@@ -455,7 +455,12 @@ def placed_layouts(plan: Plan) -> dict[str, Wire]:
             a, b = bounds[i], bounds[i + 1]
             placed[k] = layouts.encode(tuple(plan.info[k]["shape"]), pl.offsets[a:b], pl.sizes[a:b], pl.rank[a:b])
     for i in np.flatnonzero(alias).tolist():
-        placed[plan.keys[i]] = placed[plan.keys[int(pl.same_as[i])]]
+        j, shape = int(pl.same_as[i]), tuple(plan.info[plan.keys[i]]["shape"])
+        if len(shape) == len(plan.info[plan.keys[j]]["shape"]):
+            placed[plan.keys[i]] = placed[plan.keys[j]]
+        else:  # the same padded boxes, another number of dimensions (a 0-d tensor and a 1-element one)
+            a, b = bounds[j], bounds[j + 1]
+            placed[plan.keys[i]] = layouts.encode(shape, pl.offsets[a:b], pl.sizes[a:b], pl.rank[a:b])
     return placed
 
 
