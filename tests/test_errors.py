@@ -19,9 +19,9 @@ import torch
 
 import shardpoint
 from shardpoint import errors
+from shardpoint.format.boxes import Box
 from shardpoint.plan import plan_reads
 from shardpoint.plan.save import PlanError
-from shardpoint.format.boxes import Box
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Error classes that live beside the code that raises them, documented all the same.

@@ -66,7 +66,7 @@ from ..report import SaveStats
 from ..state import TrainState
 from ._trainer import apply_rng, capture_rng, step_tag
 
-__all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy"]
+__all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy", "load_from_checkpoint"]
 
 _MODEL_PARTS = ("state_dict", "optimizer_states", "lr_schedulers")
 
