@@ -127,3 +127,29 @@ def test_a_tensor_too_large_for_the_memory_left_is_an_allocation_error(tmp_path:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("caught True key 'big': cannot allocate a uint8 tensor of shape [67108864]"), out.stdout
     assert "load fewer keys at once" in out.stdout
+
+
+def _save_after_the_exit_handler_closed_the_channels(rank: int, world: int, root: str) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from shardpoint.collective import close_channels
+
+    shardpoint.save({"w": torch.ones(4)}, f"{root}/first")  # the channel exists and works
+    dist.barrier()
+    close_channels()  # what the exit handler does first while a save may still run on a thread
+    try:
+        shardpoint.save({"w": torch.ones(4)}, f"{root}/second")
+    except errors.ShardpointError as e:
+        return {"type": type(e).__name__, "msg": str(e)}
+    return {"type": None}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_save_after_the_channels_closed_is_a_channel_closed_error(tmp_path: Path) -> None:
+    from tests._dist import run_ranks
+
+    out = run_ranks(_save_after_the_exit_handler_closed_the_channels, 2, str(tmp_path), timeout=150)
+    for r in out:
+        assert r["type"] == "ChannelClosedError" and "the process is exiting" in str(r["msg"]), out
+    assert not (tmp_path / "second" / "manifest.json").exists()
