@@ -106,8 +106,6 @@ class ShardpointFabricMixin:
         **kwargs: the strategy's own arguments.
     """
 
-    is_global_zero: bool
-
     def __init__(self, *args: Any, checkpoint_timeout: timedelta | float = api.DEFAULT_TIMEOUT,
                  rng: bool | int = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
