@@ -150,19 +150,22 @@ def inspect(src: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedChe
     by_rank = {int(m.group(1)): os.path.join(folder, n) for n in optim if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
     world = len(by_rank)
     if sorted(by_rank) != list(range(world)):
-        raise ConversionError(f"{folder}: optimizer files for ranks {sorted(by_rank)}; expected ranks 0..{world - 1}")
+        raise ConversionError(f"{folder}: optimizer files for ranks {sorted(by_rank)}; expected ranks 0..{world - 1}. "
+                              "Convert the step folder with every rank's files (copy the missing ones back)")
     z3_models = [n for n in names if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt", n)]
     if z3_models:
         stage = 3
         models = {int(m.group(1)): os.path.join(folder, n) for n in z3_models if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
         if sorted(models) != list(range(world)):
-            raise ConversionError(f"{folder}: ZeRO-3 model-states files for ranks {sorted(models)}; expected 0..{world - 1}")
+            raise ConversionError(f"{folder}: ZeRO-3 model-states files for ranks {sorted(models)}; expected "
+                                  f"0..{world - 1}. Convert the step folder with every rank's files")
         model_files = [models[r] for r in range(world)]
     else:
         stage = 2
         model_files = [os.path.join(folder, "mp_rank_00_model_states.pt")]
         if not os.path.exists(model_files[0]):
-            raise ConversionError(f"{folder} has no mp_rank_00_model_states.pt")
+            raise ConversionError(f"{folder} has no mp_rank_00_model_states.pt; convert the step folder DeepSpeed "
+                                  "wrote (global_stepN/) with all of its files")
     return DeepSpeedCheckpoint(folder, stage, world, [by_rank[r] for r in range(world)], model_files)
 
 
@@ -226,7 +229,8 @@ def _base_state(osd: dict[str, Any]) -> tuple[list[Mapping[str, object]], list[_
     """(per flat group: its optimizer state, per param group: hyperparameters)."""
     base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     if base is None:
-        raise ConversionError("a DeepSpeed optimizer file without base_optimizer_state / optimizer_state_dict")
+        raise ConversionError("a DeepSpeed optimizer file without base_optimizer_state / optimizer_state_dict: not a "
+                              "ZeRO optimizer-states file DeepSpeed wrote; check the files in the folder")
     if isinstance(base, list):  # elastic_checkpoint: one unpadded state per group, no param_groups
         return base, []
     state = base.get("state", {})
@@ -254,7 +258,10 @@ def _state_leaves(state: Mapping[str, object], flat_numel: int, fqn: str, shape:
         elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (bool, int, float)):
             row[name] = v
         else:
-            raise UnsupportedCheckpointError(f"optimizer state {name!r} of {fqn!r} has an unexpected layout ({type(v).__name__})")
+            raise UnsupportedCheckpointError(
+                f"optimizer state {name!r} of {fqn!r} has an unexpected layout ({type(v).__name__}); the converter "
+                "reads per-element optimizer state (Adam, AdamW, SGD momentum); for other optimizers consolidate the "
+                "weights with DeepSpeed's zero_to_fp32 and import those")
     return row
 
 

@@ -259,7 +259,8 @@ def _open(path: str) -> dict[str, torch.Tensor]:
             continue
         code = entry.get("dtype")
         if code not in _CODES:
-            raise UnsupportedCheckpointError(f"{path}: tensor {name!r} has dtype {code!r}, which shardpoint does not read")
+            raise UnsupportedCheckpointError(f"{path}: tensor {name!r} has dtype {code!r}, which shardpoint does not read; "
+                                             "save the weights in another dtype (float32, bfloat16, ...) first")
         dt = getattr(torch, _CODES[code])
         shape = tuple(int(s) for s in entry["shape"])
         a, b = (int(x) for x in entry["data_offsets"])
@@ -336,7 +337,8 @@ def import_hf(
         for name, t in _open(f).items():
             new = rename(name)
             if new in weights:
-                raise ConversionError(f"{f}: tensor {name!r} is stored twice (or two names map to {new!r})")
+                raise ConversionError(f"{f}: tensor {name!r} is stored twice (or two names map to {new!r}); remove the "
+                                      "duplicate from the weights, or give key_map= names that stay distinct")
             weights[new] = t
     folder = os.fspath(src) if os.path.isdir(src) else os.path.dirname(os.fspath(src))
     aliases = dict(tie) if isinstance(tie, Mapping) else (_tied(folder, set(weights)) if tie else {})
