@@ -83,7 +83,23 @@ def same_world(rank: int, world: int, tmp: str) -> dict[str, Any]:
     full = fabric.load(path)  # no state: the whole checkpoint (Fabric calls it on every rank)
     raw = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     fabric.load_raw(path, raw)
-    return {"base": base, "first": first, "resumed": resumed, "at_k": at_k, "loaded": loaded, "step": state["step"],
+    # a file as Fabric's own CheckpointIO writes it (torch.save on rank 0) still loads, by Fabric's code
+    stock = f"{tmp}/stock.ckpt"
+    if rank == 0:
+        torch.save({"model": raw.state_dict(), "step": 7}, stock)
+    fabric.barrier()
+    fresh, _, _ = _objects(fabric, 2)
+    stock_state = {"model": fresh, "step": 0}
+    fabric.load(stock, stock_state)
+    from shardpoint.errors import UsageError
+
+    try:  # refused on every rank before anything collective: no hang, nothing written
+        fabric.save(f"{tmp}/filtered", {"model": model}, filter={"model": lambda k, v: "bias" not in k})
+        refused = None
+    except UsageError as e:
+        refused = str(e)
+    return {"stock": [stock_state["step"], {n.split("module.")[-1]: _digest(p) for n, p in fresh.named_parameters()}],
+            "refused": refused,"base": base, "first": first, "resumed": resumed, "at_k": at_k, "loaded": loaded, "step": state["step"],
             "remainder": remainder, "sched": sched.state_dict(),
             "full": None if full is None else {"keys": sorted(full), "model": sorted(full["model"]),
                                                "note": full["note"], "step": full["step"]},

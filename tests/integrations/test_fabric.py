@@ -2,8 +2,9 @@
 ranks: ``fabric.save`` / ``fabric.load`` of a dict of a module, its optimizer, a
 scheduler and plain values; a resume into fresh objects on the same 2 ranks continues
 bit for bit; a 1-rank checkpoint resumes on 2 ranks with the global batch kept;
-``fabric.load(path)`` returns the checkpoint under its saved names and
-``fabric.load_raw`` reads the weights alone."""
+``fabric.load(path)`` returns the checkpoint under its saved names,
+``fabric.load_raw`` reads the weights alone, a file Fabric itself wrote still loads and
+``fabric.save(filter=...)`` is refused on every rank."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def test_save_and_load_on_two_ranks_resume_exactly(tmp_path) -> None:  # type: i
         assert r["full"] == {"keys": ["model", "note", "optimizer", "scheduler", "step"],
                              "model": ["0.bias", "0.weight", "2.bias", "2.weight"], "note": "hello", "step": w.K}
         assert list(r["raw"].values()) == list(r["at_k"]["params"].values())  # load_raw: the weights alone
+        assert r["stock"] == [7, r["raw"]]  # a file Fabric's own CheckpointIO wrote: Fabric's loader reads it
+        assert "filter=" in r["refused"] and "only=" in r["refused"]
+    assert not (tmp_path / "filtered").exists()
     assert res[0]["base"] == res[1]["base"]
 
 
