@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import shardpoint
+from shardpoint import errors
 from shardpoint.adapters import Adapter, PlainAdapter, adapter_class, adapter_for, register
 from shardpoint.api import save_offline
 from shardpoint.errors import CorruptCheckpointError, ShardpointError
@@ -179,8 +180,10 @@ def test_a_subclass_uses_its_parents_adapter(registered: None, tmp_path: Path) -
 def test_an_adapter_that_cannot_be_imported_says_which(tmp_path: Path) -> None:
     register(ENGINE, "no_such_package.adapters:Nope")
     try:
-        with pytest.raises(ShardpointError, match=f"'no_such_package.adapters:Nope' registered for {ENGINE}"):
+        with pytest.raises(errors.MissingDependencyError,
+                           match=f"'no_such_package.adapters:Nope' registered for {ENGINE}") as ei:
             adapter_for(PipelineEngine(0))
+        assert isinstance(ei.value, ImportError)
     finally:
         PROCESS.adapters.pop(ENGINE)
 
@@ -290,12 +293,14 @@ def test_a_deepspeed_optimizer_parameter_outside_the_module_names_its_group() ->
     module = torch.nn.Linear(2, 3)
     name = _namer(SimpleNamespace(module=module))
     assert name(module.weight, 0) == "weight"
-    with pytest.raises(ShardpointError, match=r"param group 1 .* shape \(7, 5\) that is not a parameter of engine.module"):
+    with pytest.raises(errors.UnsupportedConfigError,
+                       match=r"param group 1 .* shape \(7, 5\) that is not a parameter of engine.module"):
         name(torch.nn.Parameter(torch.zeros(7, 5)), 1)
 
 
 def test_an_optimizer_parameter_outside_the_model_names_group_and_index(tmp_path: Path) -> None:
     m = torch.nn.Linear(2, 3)
     opt = torch.optim.SGD([{"params": m.parameters()}, {"params": [torch.nn.Parameter(torch.zeros(4))]}], lr=0.1)
-    with pytest.raises(ShardpointError, match=r"param_groups\[1\] parameter 0 \(shape \(4,\)\) is not a parameter of the model"):
+    with pytest.raises(errors.UsageError,
+                       match=r"param_groups\[1\] parameter 0 \(shape \(4,\)\) is not a parameter of the model"):
         shardpoint.save(shardpoint.TrainState(model=m, optimizer=opt), tmp_path / "ck")

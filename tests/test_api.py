@@ -465,7 +465,8 @@ def test_checkpoint_replaced_during_a_load_is_said_so(tmp_path: Path, monkeypatc
         run(self, jobs)
 
     monkeypatch.setattr(_read.Reader, "run", overwrite_then_read)
-    with pytest.raises(ShardpointError, match="replaced or removed while this load read it.*nothing is damaged") as e:
+    with pytest.raises(shardpoint.errors.CheckpointReplacedError,
+                       match="replaced or removed while this load read it.*nothing is damaged") as e:
         shardpoint.load({"w": torch.zeros(1000)}, p)
     assert not isinstance(e.value, CorruptCheckpointError)
     target = {"w": torch.zeros(1000)}
@@ -476,12 +477,12 @@ def test_checkpoint_replaced_during_a_load_is_said_so(tmp_path: Path, monkeypatc
 def test_saving_onto_a_file_or_an_unwritable_path_is_refused_clearly(tmp_path: Path) -> None:
     f = tmp_path / "notes.txt"
     f.write_text("mine")
-    with pytest.raises(ShardpointError, match=f"{f} exists and is not a directory.*Save to another path"):
+    with pytest.raises(shardpoint.errors.UsageError, match=f"{f} exists and is not a directory.*Save to another path"):
         shardpoint.save({"w": torch.ones(2)}, f)
     with pytest.raises(ShardpointError, match="is not a directory"):
         shardpoint.CheckpointManager(f).save(shardpoint.TrainState(rng=False, w=torch.ones(2)), 1)
     assert f.read_text() == "mine"
-    with pytest.raises(ShardpointError, match="cannot create the checkpoint directory /proc/"):
+    with pytest.raises(shardpoint.errors.StorageError, match="cannot create the checkpoint directory /proc/"):
         shardpoint.save({"w": torch.ones(2)}, "/proc/shardpoint-test/ckpt")
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardpoint import errors
 from shardpoint.errors import ShardpointError
 from shardpoint.plan import (
     Box,
@@ -497,12 +498,28 @@ def test_coordinator_errors_name_the_rank_and_the_key() -> None:
     good = _layout(t, ["w"], [[0]], [[4]])
     # rank 1 describes a 1-D tensor's chunk with two dimensions
     bad = _layout(t, ["w"], [[0, 0]], [[4, 1]])
-    with pytest.raises(ShardpointError, match=r"rank 1 described chunks whose number of dimensions differs"):
+    with pytest.raises(errors.InternalError, match=r"rank 1 described chunks whose number of dimensions differs"):
         co.make_plan([good, bad])
     # a tensor at 'w' on rank 0, a plain value at 'w' on rank 1
     plan = co.make_plan([good, _layout({}, [], [], [])])
     with pytest.raises(ShardpointError, match=r"key 'w' is a tensor on some ranks and a plain value on rank 1"):
         co.merge_values(plan, [{"values": {}}, {"values": {"w": ["int", "3"]}}])
+
+
+def test_a_0d_tensor_beside_a_1_element_tensor_keeps_its_own_layout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Their padded boxes are the same, so the plan lists them as one pattern (as AdamW's
+    ``step`` and a 1-element bias are on one process); each manifest entry still has
+    one cut per dimension of its own tensor, and the checkpoint reads back."""
+    import torch
+
+    import shardpoint
+
+    state = {"a": torch.tensor(2.0), "b": torch.ones(1), "c": torch.tensor(5.0), "d": torch.full((1,), 7.0)}
+    shardpoint.save(state, tmp_path / "ck")
+    entries = shardpoint.metadata(tmp_path / "ck")
+    assert {k: entries.tensors[k].shape for k in state} == {"a": (), "b": (1,), "c": (), "d": (1,)}
+    back = shardpoint.load_full(tmp_path / "ck")
+    assert all(torch.equal(back[k], v) and back[k].shape == v.shape for k, v in state.items())
 
 
 def _rank_layouts(world, rows, key_shapes):  # type: ignore[no-untyped-def]

@@ -93,6 +93,7 @@ ELSEWHERE: dict[tuple[str, int], str] = {
     ("trainers.md", 1): "tests/integrations/test_lightning.py (the same Trainer and strategy on 2 ranks)",
     ("trainers.md", 2): "tests/integrations/test_hf_trainer.py",
     ("trainers.md", 3): "tests/integrations/test_accelerate.py",
+    ("trainers.md", 4): "tests/integrations/test_fabric.py (fabric.save / fabric.load on 2 ranks, and 1 -> 2 ranks)",
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 
-from .errors import CorruptCheckpointError, ShardpointError
+from .errors import CorruptCheckpointError, ShardpointError, StorageError
 from .format.chunks import ChunkLoc
 from .format.datafile import ALIGN, HeaderEntry, file_order, header_bytes, header_length, parse_header
 from .format.index import Located, digest, index_name
@@ -42,7 +42,7 @@ def export_checkpoint(src: Storage, dst: Storage, *, overwrite: bool = False,
     except ShardpointError:  # named already (some are OSErrors too: a checkpoint in the way)
         raise
     except OSError as e:  # the destination (a full disk, no permission): the source's damage is named otherwise
-        raise ShardpointError(
+        raise StorageError(
             f"exporting {src.url} to {dst.url} failed: {e}. Nothing was committed at {dst.url} (its manifest is written "
             "last); free space or fix the destination's permissions, then export again"
         ) from None

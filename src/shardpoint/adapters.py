@@ -49,7 +49,7 @@ from ._optim import (
     state_value,
     zeros_like_entry,
 )
-from .errors import ShardpointError, UnsupportedTypeError, UsageError
+from .errors import MissingDependencyError, UnsupportedTypeError, UsageError
 from .report import LoadReport
 from .runtime import PROCESS
 from .tree import Walk, decode_key, walk
@@ -143,7 +143,7 @@ class PlainAdapter(Adapter):
             for pi, p in enumerate(g["params"]):
                 fqn = names.get(id(p))
                 if fqn is None:
-                    raise ShardpointError(
+                    raise UsageError(
                         f"optimizer param_groups[{gi}] parameter {pi} (shape {tuple(p.shape)}) is not a parameter of "
                         "the model; TrainState names optimizer state by the model's parameter names, so pass the "
                         "model the optimizer trains"
@@ -159,7 +159,7 @@ class PlainAdapter(Adapter):
             for k, v in self.owner.state_dict().items():
                 name = self._ckpt(canonical_name(k))
                 if name in model:
-                    raise ShardpointError(
+                    raise UsageError(
                         f"model keys {k!r} and another both map to {name!r}; cannot name them uniquely: "
                         "rename one, or save the module's state_dict() as a plain dict"
                     )
@@ -263,7 +263,7 @@ def adapter_class(owner: object) -> type[Adapter] | None:
             try:
                 found = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as e:
-                raise ShardpointError(
+                raise MissingDependencyError(
                     f"the adapter {found!r} registered for {cls.__module__}.{cls.__qualname__} cannot be imported "
                     f"({type(e).__name__}: {e}); install the integration's extra, or register another adapter"
                 ) from e

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 
-from .errors import CollectiveMismatchError, ShardpointError, UsageError
+from .errors import ChannelClosedError, CollectiveMismatchError, RankFailedError, ShardpointError, UsageError
 from .runtime import PROCESS
 
 if TYPE_CHECKING:  # types only
@@ -585,7 +585,7 @@ class Comm:
                 # a plain wait: gloo closes a point-to-point pair whose wait times out, so
                 # no short slices here (the thread is not a daemon: an exit waits for it)
                 if ch.closing:
-                    raise ShardpointError(closed)
+                    raise ChannelClosedError(closed)
                 if progress is None:
                     w.wait()
                 else:
@@ -593,10 +593,10 @@ class Comm:
         except ShardpointError:
             raise
         except Exception as e:  # noqa: BLE001 - RuntimeError, DistError: a peer's connection closed
-            raise ShardpointError(
+            raise RankFailedError(
                 f"rank {self.rank}: a transfer with ranks {peers} of the group failed ({type(e).__name__}: "
                 f"{str(e).strip()[:300]}); one of them died or hangs. What it carried is not counted (see its "
-                "logs; a restart restores from what every present host holds)") from e
+                "logs; a restart restores from what every present host holds)", ranks=peers) from e
         PROCESS.seams.traffic.add(sum(t.numel() * t.element_size() for _, _, t in recvs))
 
     @property
@@ -766,7 +766,7 @@ class Comm:
         assert ch is not None
         group = self.group() if lane == "data" else ch.ctl
         if ch.closing:
-            raise ShardpointError(_CLOSED)
+            raise ChannelClosedError(_CLOSED)
         try:
             if not _takes_async_op(collective):
                 collective(*args, group=group, **kwargs)
@@ -791,7 +791,7 @@ class Comm:
                             work.wait()  # raises the collective's own error, if that is what it was
                             return
                         if ch.closing:
-                            raise ShardpointError(_CLOSED) from None
+                            raise ChannelClosedError(_CLOSED) from None
             except ShardpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
@@ -803,7 +803,7 @@ class Comm:
         """What a failed collective raises: the channel closing at exit, or the peers that are gone."""
         assert self.channel is not None
         if self.channel.closing:
-            return ShardpointError(_CLOSED)
+            return ChannelClosedError(_CLOSED)
         return self._peer_failure(e)
 
     def _peer_failure(self, cause: BaseException) -> CollectiveMismatchError:
@@ -871,13 +871,15 @@ def _failure(error: BaseException) -> _Failure:
 
 def _raise_failed(comm: Comm, failed: list[tuple[int, _Failure]], error: BaseException | None) -> None:
     """Raise on this rank for a collective call in which ``failed`` ranks failed
-    (this rank's own ``error`` first, with its original type). Another rank's
-    ordinary error (a full disk) arrives as a :class:`ShardpointError` naming that
-    rank; :class:`CollectiveMismatchError` stays for ranks that did not come or died."""
+    (this rank's own ``error`` first: a :class:`ShardpointError` as it is, anything
+    else as a :class:`RankFailedError` caused by it). Another rank's ordinary error (a
+    full disk) arrives as a :class:`RankFailedError` naming that rank (a shardpoint
+    error of another class, as that class); :class:`CollectiveMismatchError` stays for
+    ranks that did not come or died."""
     if isinstance(error, ShardpointError):
         raise error
     if error is not None:  # keep the original (an OSError's errno, say) as the cause
-        raise ShardpointError(f"rank {comm.rank} failed: {type(error).__name__}: {error}") from error
+        raise RankFailedError(f"rank {comm.rank} failed: {type(error).__name__}: {error}", rank=comm.rank) from error
     from . import errors
 
     r, e = failed[0]
@@ -885,9 +887,11 @@ def _raise_failed(comm: Comm, failed: list[tuple[int, _Failure]], error: BaseExc
     msg = f"rank {r} failed, so this collective call failed on every rank: {e['error']}"
     if cls is errors.CollectiveMismatchError:  # that rank saw ranks that did not come or died
         raise errors.CollectiveMismatchError(msg, ranks=[f for f, _ in failed])
-    if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)):
-        cls = errors.ShardpointError  # its own ordinary error (a full disk): not a missing rank
-    raise cls(msg + "; see that rank's error for the cause and fix it there")
+    msg += "; see that rank's error for the cause and fix it there"
+    if not (isinstance(cls, type) and issubclass(cls, errors.ShardpointError)) or cls is errors.RankFailedError:
+        # its own ordinary error (a full disk): not a missing rank
+        raise errors.RankFailedError(msg, rank=r, ranks=[f for f, _ in failed])
+    raise cls(msg)
 
 
 def coordinate(comm: Comm, payload: object, error: BaseException | None,
@@ -934,7 +938,8 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
         if own is None:
             raise
         # a peer is gone as well; this rank's own failure is what its user needs first
-        raise ShardpointError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})") from own
+        raise RankFailedError(f"rank {comm.rank} failed: {type(own).__name__}: {own} (and {lost})",
+                              rank=comm.rank) from own
     if not reply["ok"]:
         if reply.get("cause") and comm.rank != 0:
             own = None  # this rank's own failure followed from the cause rank 0 found: that is what it raises

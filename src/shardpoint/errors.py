@@ -4,7 +4,7 @@ Every error is a :class:`ShardpointError`; catch one of its subclasses to handle
 a specific failure. A usage error is also a ``ValueError`` (:class:`UsageError`) or
 a ``TypeError`` (:class:`UnsupportedTypeError`), so ``except ValueError`` keeps
 working. Messages name the key, file or rank involved and say what to do about it.
-The classes are listed in docs/errors.md.
+The classes are listed in docs/errors.md, each with an example.
 """
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ __all__ = [
     "RankMismatchError",
     "SaveAbortedError",
     "UnsupportedCheckpointError",
+    "RankFailedError",
+    "ChannelClosedError",
+    "CheckpointReplacedError",
+    "UnhealthyCheckpointError",
+    "ConversionError",
+    "UnsupportedConfigError",
+    "StorageError",
+    "MemoryTierError",
+    "AllocationError",
+    "MissingDependencyError",
+    "InternalError",
 ]
 
 
@@ -110,12 +121,86 @@ class SaveAbortedError(ShardpointError):
 
 
 class UnsupportedCheckpointError(ShardpointError):
-    """A converter met a checkpoint of another format that it does not read (a
-    model-parallel DeepSpeed checkpoint, DCP transforms, a file that needs pickled code
-    to load). The message says what is not supported and what to do instead."""
+    """A converter or an integration met a checkpoint of another format that it does
+    not read (a model-parallel DeepSpeed checkpoint, DCP transforms, a file that needs
+    pickled code to load, a tensor dtype shardpoint does not know, a file Lightning's
+    own ``CheckpointIO`` wrote). The message says what is not supported and what to do
+    instead."""
 
 
-class ObjectStoreError(ShardpointError):
+class ConversionError(CorruptCheckpointError):
+    """A converter's input, a checkpoint of another format (a DeepSpeed folder, a
+    safetensors file), is malformed or incomplete: files missing for some ranks, files
+    from different saves, a tensor stored twice. Nothing was written. The message names
+    the file and what it lacks."""
+
+
+class RankFailedError(ShardpointError):
+    """A rank failed in a collective call (its own error, a full disk, say), so the
+    call failed on every rank; or a transfer with peers failed because one of them died.
+    The message carries the failing rank's error; fix it there."""
+
+    def __init__(self, message: str, *, rank: int | None = None, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        #: The rank that failed (None: one of :attr:`ranks`, not known which).
+        self.rank = rank
+        #: Every rank the error is about: the failed ones, or the peers of a failed transfer.
+        self.ranks: list[int] = sorted(ranks if ranks is not None else ([] if rank is None else [rank]))
+
+
+class ChannelClosedError(ShardpointError):
+    """The process is exiting: shardpoint's checkpoint collectives and transfers were
+    closed under a call still running on another thread. Nothing was committed by it."""
+
+
+class CheckpointReplacedError(ShardpointError):
+    """The checkpoint a load opened was replaced or removed while the load read it (a
+    save with ``overwrite=True`` or retention); nothing is damaged. Load again."""
+
+
+class UnhealthyCheckpointError(ShardpointError):
+    """A manager's restore found no checkpoint fit to resume from: every one holds
+    NaN/inf where training needs finite values, or fails ``accept=``. The message lists
+    each step and why; ``restore(state, step=N)`` loads one as it is."""
+
+
+class UnsupportedConfigError(ShardpointError):
+    """An integration refuses a framework configuration it cannot checkpoint or resume
+    with: a DeepSpeed optimizer wrapper or NVMe offload it does not know, a trainer with
+    several optimizers, DeepSpeed or FSDP under the HF Trainer integration, a resume
+    whose batch size does not divide the checkpoint's position. The message names the
+    setting and what to use instead."""
+
+
+class StorageError(ShardpointError):
+    """The storage refused a request: a checkpoint directory cannot be created, an
+    export could not write its destination. The message names the path and the fix."""
+
+
+class MemoryTierError(ShardpointError):
+    """The memory tier (:class:`~shardpoint.MemoryTier`) cannot keep or move its
+    snapshots: its folder cannot be made or is not this user's or this job's, a transfer
+    of snapshot files between hosts failed, its drain helper process is gone. The
+    durable checkpoints are not affected."""
+
+
+class AllocationError(ShardpointError, MemoryError):
+    """A load could not allocate a tensor the checkpoint holds and the state lacks;
+    also a ``MemoryError``. Load fewer keys at once (``only=``) or on a larger machine."""
+
+
+class MissingDependencyError(ShardpointError, ImportError):
+    """An optional package a feature needs is not installed (an integration's framework,
+    fsspec for object stores); also an ``ImportError``. The message names the extra to
+    install."""
+
+
+class InternalError(ShardpointError):
+    """shardpoint found its own state inconsistent: a bug, not something the caller did.
+    Nothing was committed; report it with the message (and save again)."""
+
+
+class ObjectStoreError(StorageError):
     """An object-store request kept failing with transient errors (5xx, SlowDown,
     reset connections, timeouts) until its attempts ran out, or failed for good (access
     denied, no such bucket). The message names the object and the last error."""

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from .api import DEFAULT_TIMEOUT, PathLike, load
 from .collective import Comm, agree, seconds
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ShardpointError,
+    UnhealthyCheckpointError,
+    UsageError,
+)
 from .format.manifest import MANIFEST_NAME
 from .format.pointer import LATEST, STEP_FOLDER, Pointer
 from .format.refs import split_ref
@@ -709,7 +715,7 @@ class CheckpointManager:
                           "trying the step before it (restore(state, step=N) loads a step as it is)", stacklevel=3)
         else:
             detail = "; ".join(f"step {s}: {w}" for s, w in passed.items())
-            raise ShardpointError(
+            raise UnhealthyCheckpointError(
                 f"no checkpoint under {self.root} is fit to resume from ({detail}). Load one as it is with "
                 "restore(state, step=N), or start from scratch")
         return info, passed

@@ -68,7 +68,7 @@ def failing_rank_case(rank: int, world: int, tmp: str) -> dict:
         try:
             shardpoint.save(state(rank, world, 3), path, overwrite=overwrite)
         except Exception as e:  # noqa: BLE001
-            errors[path] = (type(e).__name__, str(e), getattr(e, "ranks", None))
+            errors[path] = (type(e).__name__, str(e), getattr(e, "ranks", None), getattr(e, "rank", None))
         else:
             errors[path] = None
     PROCESS.seams.phase = None
@@ -91,10 +91,10 @@ def test_rank_failing_after_write_leaves_no_manifest(tmp_path: Path) -> None:
     for rank, res in enumerate(results):
         for path, err in res["errors"].items():
             assert err is not None, f"rank {rank}: save to {path} did not raise"
-            if rank == 1:  # its own error, as a ShardpointError (the original chained)
-                assert err[0] == "ShardpointError" and "Boom: disk on fire" in err[1], err
-            else:
-                assert err[0] == "ShardpointError", err  # rank 1 came and failed: no rank is missing
+            if rank == 1:  # its own error, as a RankFailedError naming itself (the original chained)
+                assert err[0] == "RankFailedError" and "Boom: disk on fire" in err[1] and err[2:] == ([1], 1), err
+            else:  # rank 1 came and failed: no rank is missing; .ranks names the one that failed
+                assert err[0] == "RankFailedError" and err[2:] == ([1], 1), err
                 assert "rank 1 failed" in err[1] and "disk on fire" in err[1]
         assert res["manifest_same"], "the committed manifest was touched"
         assert res["same"] == res["before"][f"{tmp_path}/same"], "leftovers of the failed save at the old path"

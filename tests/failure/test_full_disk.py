@@ -87,9 +87,9 @@ def check_failures(out: list[dict[str, Any]], case: str, failing: set[int], root
             assert r["cause"] == "OSError" and r["errno"] == errno.ENOSPC, r
             assert f"rank {rank} failed" in r["message"] and f"step-{step:08d}/" in r["message"], r
         else:
-            # the others learn which rank failed and why: a ShardpointError, not the error
+            # the others learn which rank failed and why: a RankFailedError, not the error
             # that means "a rank did not come or died" (every rank came; one ran out of space)
-            assert r["type"] == "ShardpointError", r
+            assert r["type"] == "RankFailedError", r
             assert any(f"rank {f} failed" in r["message"] for f in failing), r
     d = root / f"step-{step:08d}"
     assert not (d / "manifest.json").exists()

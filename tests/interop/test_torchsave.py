@@ -109,3 +109,22 @@ def test_bare_state_dict_under_a_key_loads_into_train_state(tmp_path: Path) -> N
     dst = torch.nn.Linear(3, 2)
     shardpoint.load(shardpoint.TrainState(model=dst, rng=False), tmp_path / "sp")
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+
+
+@pytest.mark.parametrize("content", [b"hello, a text file\n", bytes(range(256)) * 8, b"\x80\x02junk, not a pickle",
+                                     "cut"])
+def test_a_file_that_is_not_a_torch_save_file_is_named_so(tmp_path: Path, content: Any) -> None:
+    """A text file, random bytes, a broken pickle and a zip cut in half are refused as
+    not (or no longer) a torch.save file, never as 'needs pickled code', and nothing is written."""
+    from shardpoint.errors import ConversionError
+    from shardpoint.interop import import_torch
+
+    src = tmp_path / "in.pt"
+    if content == "cut":
+        torch.save({"w": torch.ones(64)}, src)
+        content = src.read_bytes()[: src.stat().st_size // 2]
+    src.write_bytes(content)
+    with pytest.raises(ConversionError, match="in.pt") as e:
+        import_torch(src, tmp_path / "sp")
+    assert "pickled code" not in str(e.value) and "torch.save" in str(e.value)
+    assert not (tmp_path / "sp").exists()

@@ -143,7 +143,8 @@ class ElasticBatchSampler:
             rank = found[0] if rank is None else rank
             world = found[1] if world is None else world
         if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside world_size {world}")
+            raise UsageError(f"rank {rank} is outside world_size {world}: give ElasticBatchSampler a rank in "
+                             f"0..{world - 1}")
         return rank, world
 
     @property

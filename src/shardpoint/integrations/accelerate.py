@@ -52,7 +52,7 @@ from typing import Any, Protocol, TypedDict
 import torch
 
 from .. import api
-from ..errors import ShardpointError
+from ..errors import UnsupportedConfigError, UnsupportedTypeError
 from ..report import LoadReport, SaveStats
 from ..state import TrainState
 from ..tree import Stateful
@@ -88,7 +88,7 @@ class ResumableLoader:
 
     def __init__(self, loader: Any) -> None:
         if not hasattr(loader, "skip_batches") or not hasattr(loader, "total_batch_size"):
-            raise ShardpointError(
+            raise UnsupportedTypeError(
                 f"ResumableLoader wraps the DataLoader that accelerator.prepare() returned (a DataLoaderShard); "
                 f"got a {type(loader).__name__}. Prepare it first (dispatch_batches=False)"
             )
@@ -133,7 +133,7 @@ class ResumableLoader:
     def load_state_dict(self, state: _Position) -> None:
         samples, per_step = int(state["samples_in_epoch"]), int(self.loader.total_batch_size)
         if samples % per_step:
-            raise ShardpointError(
+            raise UnsupportedConfigError(
                 f"the checkpoint consumed {samples} samples of epoch {state['epoch']}, not a whole number of this "
                 f"job's batches of {per_step} (batch_size x processes); choose a batch size that divides it "
                 f"(it was saved with {state['total_batch_size']})"

@@ -43,7 +43,7 @@ from .._optim import (
     zeros_like_entry,
 )
 from ..adapters import Adapter, KeyMap
-from ..errors import ShardpointError
+from ..errors import UnsupportedConfigError, UsageError
 from ..layout import FlatShard
 from ..report import LoadReport
 from ..state import TrainState
@@ -109,7 +109,7 @@ def torch_optimizer(engine: Engine) -> torch.optim.Optimizer:
     """The torch optimizer that DeepSpeed's wrapper (if any) steps."""
     opt = engine.optimizer
     if opt is None:
-        raise ShardpointError("this DeepSpeed engine has no optimizer; shardpoint saves training engines")
+        raise UnsupportedConfigError("this DeepSpeed engine has no optimizer; shardpoint saves training engines")
     inner = getattr(opt, "optimizer", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else opt
 
@@ -123,7 +123,7 @@ def _namer(engine: Engine) -> Callable[[torch.Tensor, int], str]:
         n = names.get(id(p))
         if n is None:
             shape = tuple(getattr(p, "ds_shape", None) or p.shape)
-            raise ShardpointError(
+            raise UnsupportedConfigError(
                 f"param group {group} of the DeepSpeed optimizer holds a parameter of shape {shape} that is not a "
                 "parameter of engine.module; shardpoint names optimizer state by the module's parameter names, so "
                 "give deepspeed.initialize the parameters of the model it wraps (model_parameters=model.parameters())"
@@ -143,7 +143,7 @@ def _kind(engine: Engine) -> str:
 
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         if getattr(opt, "swap_optimizer", False):
-            raise ShardpointError("ZeRO-3 with optimizer state swapped to NVMe is not supported; keep the optimizer state in memory")
+            raise UnsupportedConfigError("ZeRO-3 with optimizer state swapped to NVMe is not supported; keep the optimizer state in memory")
         return "zero3"
     if isinstance(opt, DeepSpeedZeroOptimizer):
         return "zero12"
@@ -155,7 +155,7 @@ def _kind(engine: Engine) -> str:
         return "unfused"
     if isinstance(opt, torch.optim.Optimizer):
         return "plain"
-    raise ShardpointError(
+    raise UnsupportedConfigError(
         f"DeepSpeed optimizer wrapper {type(opt).__module__}.{type(opt).__name__} is not supported; shardpoint "
         "knows ZeRO stages 0-3, BF16_Optimizer and FP16_Optimizer. Open an issue with your DeepSpeed config"
     )
@@ -279,7 +279,7 @@ def _optimizer_leaves(engine: Engine, ps: list[Piece]) -> dict[str, object]:
             elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (bool, int, float)) or v is None:
                 row[name] = v  # step: one per flat partition, the same for every parameter in it
             else:
-                raise ShardpointError(
+                raise UnsupportedConfigError(
                     f"optimizer state {name!r} of parameter {pc.fqn!r} is a {type(v).__name__} of shape "
                     f"{tuple(getattr(v, 'shape', ()))}, neither laid out like the parameters nor a scalar; "
                     "shardpoint saves DeepSpeed optimizers whose state is per element (Adam, AdamW, SGD momentum)"
@@ -418,12 +418,12 @@ class EngineAdapter(Adapter):
     def __init__(self, owner: Engine, *, optimizer: object = None, key_map: KeyMap | None = None) -> None:
         super().__init__(owner, optimizer=optimizer, key_map=key_map)
         if key_map is not None:
-            raise ShardpointError(
+            raise UnsupportedConfigError(
                 "key_map is not supported for a DeepSpeed engine: load the checkpoint into the plain model "
                 "(TrainState(model=model, key_map=...)) before deepspeed.initialize, or rename the module's layers"
             )
         if optimizer is not None and optimizer is not owner.optimizer and optimizer is not torch_optimizer(owner):
-            raise ShardpointError(
+            raise UsageError(
                 "TrainState(model=engine, optimizer=...) was given an optimizer that is not the engine's; a DeepSpeed "
                 "engine saves its own optimizer (engine.optimizer): leave optimizer= out"
             )

@@ -47,25 +47,26 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import MissingDependencyError, UnsupportedCheckpointError, UnsupportedConfigError
+
 try:
     import lightning.pytorch as pl
     from lightning.pytorch import LightningModule
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
+    raise MissingDependencyError(
         "shardpoint.integrations.lightning needs PyTorch Lightning (the `lightning` package): "
         "pip install 'shardpoint[lightning]'"
     ) from e
 
 from .. import api
 from ..elastic import ElasticBatchSampler
-from ..errors import ShardpointError
 from ..report import SaveStats
 from ..state import TrainState
 from ._trainer import apply_rng, capture_rng, step_tag
 
-__all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy"]
+__all__ = ["ShardpointStrategyMixin", "ShardpointDDPStrategy", "ShardpointModelParallelStrategy", "load_from_checkpoint"]
 
 _MODEL_PARTS = ("state_dict", "optimizer_states", "lr_schedulers")
 
@@ -126,7 +127,7 @@ class ShardpointStrategyMixin:
         for o in getattr(self, "optimizers", []) or []:
             out.append(getattr(o, "_optimizer", o))  # LightningOptimizer wraps the torch one
         if len(out) > 1:
-            raise ShardpointError(
+            raise UnsupportedConfigError(
                 f"{type(self).__name__} checkpoints one optimizer per LightningModule; this one has {len(out)}. "
                 "Use one optimizer over parameter groups, or Lightning's own strategy for this module"
             )
@@ -174,7 +175,7 @@ class ShardpointStrategyMixin:
         number of ranks; returns Lightning's full checkpoint dict."""
         path = os.fspath(checkpoint_path)
         if os.path.isfile(path):
-            raise ShardpointError(
+            raise UnsupportedCheckpointError(
                 f"{path} is a file, not a shardpoint checkpoint (a directory with a manifest.json): it was written by "
                 f"Lightning's own CheckpointIO. Resume it once with the stock strategy, then save with "
                 f"{type(self).__name__}"
@@ -214,7 +215,7 @@ class ShardpointStrategyMixin:
         for part in ("total", "current"):
             c = progress[part]
             if c["ready"] % saved:
-                raise ShardpointError(
+                raise UnsupportedConfigError(
                     f"{path} was saved after {c['ready']} micro-batches, inside an optimizer step of {saved}; with "
                     f"accumulate_grad_batches={now} it can only resume at a step boundary (save with "
                     "ModelCheckpoint(every_n_train_steps=...))"

@@ -52,18 +52,19 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader
 
+from ..errors import MissingDependencyError, ShardpointError, UnsupportedConfigError, UsageError
+
 try:
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import ExportableState, TrainerState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
+    raise MissingDependencyError(
         "shardpoint.integrations.transformers needs transformers (Python >= 3.11): pip install 'shardpoint[hf]'"
     ) from e
 
 from .. import api
 from ..collective import Comm
-from ..errors import ShardpointError, UsageError
 from ..report import SaveStats
 from ..state import TrainState
 from ..storage import storage_for
@@ -267,7 +268,7 @@ class ShardpointTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ShardpointError(
+            raise UnsupportedConfigError(
                 "ShardpointTrainer checkpoints DDP and single-process training; with DeepSpeed or FSDP use the "
                 "stock Trainer, or shardpoint.integrations.deepspeed"
             )
@@ -294,7 +295,7 @@ class ShardpointTrainer(Trainer):
         samples = int(pos["samples_in_epoch"])
         per_batch = self._train_batch_size * max(self.args.world_size, 1)  # one per-rank batch on every rank
         if samples % per_batch:
-            raise ShardpointError(
+            raise UnsupportedConfigError(
                 f"the checkpoint consumed {samples} samples of epoch {pos['epoch']}, not a whole number of batches "
                 f"of {self._train_batch_size} on each of {self.args.world_size} ranks; choose a per-device batch size "
                 f"that divides it (the global batch was {pos['global_batch_size']})"

@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from ..errors import CheckpointNotFoundError, ShardpointError, UnsupportedCheckpointError
+from ..errors import CheckpointNotFoundError, ConversionError, UnsupportedCheckpointError
 from ..layout import FlatShard
 from ..state import canonical_name
 from ._progress import Progress
@@ -150,19 +150,22 @@ def inspect(src: str | os.PathLike[str], tag: str | None = None) -> DeepSpeedChe
     by_rank = {int(m.group(1)): os.path.join(folder, n) for n in optim if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
     world = len(by_rank)
     if sorted(by_rank) != list(range(world)):
-        raise ShardpointError(f"{folder}: optimizer files for ranks {sorted(by_rank)}; expected ranks 0..{world - 1}")
+        raise ConversionError(f"{folder}: optimizer files for ranks {sorted(by_rank)}; expected ranks 0..{world - 1}. "
+                              "Convert the step folder with every rank's files (copy the missing ones back)")
     z3_models = [n for n in names if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt", n)]
     if z3_models:
         stage = 3
         models = {int(m.group(1)): os.path.join(folder, n) for n in z3_models if (m := re.search(r"zero_pp_rank_(\d+)_", n))}
         if sorted(models) != list(range(world)):
-            raise ShardpointError(f"{folder}: ZeRO-3 model-states files for ranks {sorted(models)}; expected 0..{world - 1}")
+            raise ConversionError(f"{folder}: ZeRO-3 model-states files for ranks {sorted(models)}; expected "
+                                  f"0..{world - 1}. Convert the step folder with every rank's files")
         model_files = [models[r] for r in range(world)]
     else:
         stage = 2
         model_files = [os.path.join(folder, "mp_rank_00_model_states.pt")]
         if not os.path.exists(model_files[0]):
-            raise ShardpointError(f"{folder} has no mp_rank_00_model_states.pt")
+            raise ConversionError(f"{folder} has no mp_rank_00_model_states.pt; convert the step folder DeepSpeed "
+                                  "wrote (global_stepN/) with all of its files")
     return DeepSpeedCheckpoint(folder, stage, world, [by_rank[r] for r in range(world)], model_files)
 
 
@@ -226,7 +229,8 @@ def _base_state(osd: dict[str, Any]) -> tuple[list[Mapping[str, object]], list[_
     """(per flat group: its optimizer state, per param group: hyperparameters)."""
     base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     if base is None:
-        raise ShardpointError("a DeepSpeed optimizer file without base_optimizer_state / optimizer_state_dict")
+        raise ConversionError("a DeepSpeed optimizer file without base_optimizer_state / optimizer_state_dict: not a "
+                              "ZeRO optimizer-states file DeepSpeed wrote; check the files in the folder")
     if isinstance(base, list):  # elastic_checkpoint: one unpadded state per group, no param_groups
         return base, []
     state = base.get("state", {})
@@ -254,7 +258,10 @@ def _state_leaves(state: Mapping[str, object], flat_numel: int, fqn: str, shape:
         elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (bool, int, float)):
             row[name] = v
         else:
-            raise ShardpointError(f"optimizer state {name!r} of {fqn!r} has an unexpected layout ({type(v).__name__})")
+            raise UnsupportedCheckpointError(
+                f"optimizer state {name!r} of {fqn!r} has an unexpected layout ({type(v).__name__}); the converter "
+                "reads per-element optimizer state (Adam, AdamW, SGD momentum); for other optimizers consolidate the "
+                "weights with DeepSpeed's zero_to_fp32 and import those")
     return row
 
 
@@ -301,7 +308,7 @@ def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: _ModelStates) -> d
     model: dict[str, object] = {}
     opt_state: dict[str, object] = {}
     if len(model_sd["param_shapes"]) != len(flats):
-        raise ShardpointError(
+        raise ConversionError(
             f"{ck.optim_files[rank]} holds {len(flats)} flat groups but the model states name {len(model_sd['param_shapes'])}; "
             "the files are not from the same save"
         )
@@ -319,7 +326,7 @@ def _zero3_rank(ck: DeepSpeedCheckpoint, rank: int, model_sd: _ModelStates) -> d
                     opt_state[fqn] = _state_leaves(states[sg], flats[sg].numel(), fqn, shape, start, pos, n)
             pos += pn
         if pos != flats[sg].numel():
-            raise ShardpointError(
+            raise ConversionError(
                 f"{ck.optim_files[rank]}: flat group {sg} holds {flats[sg].numel()} elements, its parameters' "
                 f"partitions {pos}; the file does not match the model states"
             )

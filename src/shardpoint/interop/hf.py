@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError, UsageError
+from ..errors import (
+    CheckpointNotFoundError,
+    ConversionError,
+    CorruptCheckpointError,
+    UnsupportedCheckpointError,
+    UsageError,
+)
 from ..format.datafile import DTYPES, dtype_name, header_bytes, tensor_bytes
 from ..tree import decode_key
 from ._progress import Progress
@@ -134,7 +140,7 @@ def export_hf(
             raise UsageError(f"{k!r} is {dtype_name(out)}, which safetensors cannot store; pass dtype= or leave it out")
         rows.append((k, name, out, t.shape, int(np.prod(t.shape, dtype=np.int64)) * out.itemsize))
     if not rows:
-        raise ShardpointError(
+        raise UsageError(
             f"{src} has no tensors under {prefix!r} (its tensor keys start with "
             f"{sorted({k.split('/')[0] for k in m.tensors})[:5]}); pass prefix= ('' for every tensor)"
         )
@@ -253,7 +259,8 @@ def _open(path: str) -> dict[str, torch.Tensor]:
             continue
         code = entry.get("dtype")
         if code not in _CODES:
-            raise ShardpointError(f"{path}: tensor {name!r} has dtype {code!r}, which shardpoint does not read")
+            raise UnsupportedCheckpointError(f"{path}: tensor {name!r} has dtype {code!r}, which shardpoint does not read; "
+                                             "save the weights in another dtype (float32, bfloat16, ...) first")
         dt = getattr(torch, _CODES[code])
         shape = tuple(int(s) for s in entry["shape"])
         a, b = (int(x) for x in entry["data_offsets"])
@@ -330,13 +337,14 @@ def import_hf(
         for name, t in _open(f).items():
             new = rename(name)
             if new in weights:
-                raise ShardpointError(f"{f}: tensor {name!r} is stored twice (or two names map to {new!r})")
+                raise ConversionError(f"{f}: tensor {name!r} is stored twice (or two names map to {new!r}); remove the "
+                                      "duplicate from the weights, or give key_map= names that stay distinct")
             weights[new] = t
     folder = os.fspath(src) if os.path.isdir(src) else os.path.dirname(os.fspath(src))
     aliases = dict(tie) if isinstance(tie, Mapping) else (_tied(folder, set(weights)) if tie else {})
     for alias, stored in aliases.items():
         if stored not in weights:
-            raise ShardpointError(f"tie={{{alias!r}: {stored!r}}}: {stored!r} is not in the weights")
+            raise UsageError(f"tie={{{alias!r}: {stored!r}}}: {stored!r} is not in the weights")
         weights.setdefault(alias, weights[stored])
     state: dict[str | int, object] = {}
     node = state

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
+from ..errors import CheckpointNotFoundError, ConversionError, UnsupportedCheckpointError
 
 if TYPE_CHECKING:
     from ..api import PathLike
@@ -28,11 +28,20 @@ def read_torch(path: str | os.PathLike[str]) -> Any:  # Any: what the file holds
     """``torch.load`` the file at ``path`` with weights only and memory-mapped.
 
     Raises:
-        ShardpointError: the file needs pickled code (names the classes and what to do).
+        UnsupportedCheckpointError: the file needs pickled code (names the classes and what to do).
+        ConversionError: the file is not a ``torch.save`` file, or a damaged one.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"no torch.save file at {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive (since 1.6) or, in the legacy format, a pickle
+    # (protocol 2 and up starts with the PROTO opcode, 0x80)
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":
+        raise ConversionError(f"{path} is not a torch.save file (it is neither a zip archive nor a pickle: it "
+                              f"starts with {head!r}); give the file torch.save wrote, or pick the right "
+                              "--from (hf, deepspeed, dcp)")
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -45,7 +54,9 @@ def read_torch(path: str | os.PathLike[str]) -> Any:  # Any: what the file holds
             bad = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         except Exception:  # noqa: BLE001 - fall back to the names in torch's message
             bad = re.findall(r"GLOBAL ([\w.]+)", str(e))
-        names = ", ".join(bad) or "an object torch.load(weights_only=True) does not allow"
+        if not bad:  # nothing names a class: the pickle itself is broken
+            raise _damaged(path, e) from None
+        names = ", ".join(bad)
         raise UnsupportedCheckpointError(
             f"{path} needs pickled code to load: it contains {names}, and unpickling a class can run arbitrary "
             "code, so shardpoint reads only tensors and plain values (dict, list, tuple, int, float, str, bool, "
@@ -55,6 +66,14 @@ def read_torch(path: str | os.PathLike[str]) -> Any:  # Any: what the file holds
             "    torch.save(ckpt, 'plain.pt')\n"
             "and convert plain.pt"
         ) from None
+    except (KeyError, IndexError, EOFError, ValueError, RuntimeError, OSError) as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: str, e: BaseException) -> ConversionError:
+    return ConversionError(f"{path} cannot be read as a torch.save file ({type(e).__name__}: {e}); it is "
+                           "damaged or cut short, or not a torch.save file; check the file (its size, its "
+                           "copy) and give the one torch.save wrote")
 
 
 def import_torch(src: str | os.PathLike[str], dst: PathLike, *, key: str | None = None, overwrite: bool = False,

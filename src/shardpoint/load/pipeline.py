@@ -26,7 +26,13 @@ from typing import Any, Protocol
 from .._gc import gc_paused
 from ..adapters import LoadHooks
 from ..collective import Comm, agree, start_agree
-from ..errors import CorruptCheckpointError, KeyMismatchError, ShardpointError, UsageError
+from ..errors import (
+    CheckpointReplacedError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    UnsupportedTypeError,
+    UsageError,
+)
 from ..format.manifest import Manifest
 from ..report import LoadReport, LoadStats, human
 from ..storage import Storage
@@ -139,7 +145,7 @@ def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadRepo
     try:
         w = hooks.prepare(state, manifest.tree.entries, select)
     except TypeError as e:  # the walk names the key that cannot be saved
-        raise ShardpointError(str(e)) from None
+        raise UnsupportedTypeError(str(e)) from None
     _check_patterns(select, manifest.tree.entries.keys() | w.leaves.keys() | w.per_rank.keys())
     top = TreeLoad(w, manifest.tree, select, report, rank=rank)
     top.check(strict)
@@ -214,7 +220,7 @@ def _held_anywhere(everyone: list[Any], storage: Storage) -> str:
     size depends on the keys, not on the world)."""
     ids = {sid for sid, _bits in everyone}
     if len(ids) > 1:
-        raise ShardpointError(
+        raise CheckpointReplacedError(
             f"the ranks opened different checkpoints at {storage.url} (save ids {sorted(ids)}): a save with "
             "overwrite=True replaced it while this load began; nothing was loaded. Load again"
         )
@@ -303,7 +309,7 @@ def _read(reads: Collect, jobs: list[ReadJob], verify: bool) -> int:
         reader.run(jobs)
     except CorruptCheckpointError:
         if not committed(storage, manifest.save_id):
-            raise ShardpointError(
+            raise CheckpointReplacedError(
                 f"the checkpoint at {storage.url} was replaced or removed while this load read it (a save "
                 "with overwrite=True, or retention, deleted the files this load was reading); nothing is "
                 "damaged. Load again (the targets may be partly filled)"

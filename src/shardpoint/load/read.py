@@ -20,7 +20,7 @@ from typing import NamedTuple, NoReturn
 import msgspec
 import torch
 
-from ..errors import CorruptCheckpointError, ShardpointError, UsageError
+from ..errors import AllocationError, CorruptCheckpointError, UsageError
 from ..format.boxes import Box, box_runs
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
 from ..format.datafile import crc32, first_bad_block
@@ -222,7 +222,7 @@ def _allocate(spec: TensorSpec, locator: Locator) -> torch.Tensor:
     try:
         return torch.empty(spec.shape, dtype=spec.dtype)
     except (RuntimeError, MemoryError) as err:
-        raise ShardpointError(
+        raise AllocationError(
             f"key {spec.key!r}: cannot allocate a {spec.dtype_name} tensor of shape {list(spec.shape)} ({nbytes} bytes) to "
             f"load it into ({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
         ) from None

@@ -28,7 +28,7 @@ class ReadOp(NamedTuple):
 def plan_reads(saved: list[Box], targets: list[Box]) -> list[ReadOp]:
     """Intersect every target box with every saved chunk box of one tensor.
 
-    Raises ``ValueError`` when part of a target is covered by no saved chunk (the
+    Raises :class:`~shardpoint.plan.save.PlanError` (a ``ValueError``) when part of a target is covered by no saved chunk (the
     caller turns that into a named error)."""
     ops: list[ReadOp] = []
     same = {b: i for i, b in enumerate(saved)} if len(saved) > 1 else {}
@@ -48,7 +48,7 @@ def plan_reads(saved: list[Box], targets: list[Box]) -> list[ReadOp]:
             ops.append(ReadOp(si, ti, r, first, last, count))
             covered += r.numel
         if covered < t.numel:
-            raise ValueError(f"target box {t} is only partly covered by the saved chunks")
+            raise PlanError({ti: f"target box {t} is only partly covered by the saved chunks"})
     return ops
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UsageError
 from . import balance
 from .boxes import grid_cells
 from .grid import Grid, find_grid, spread
@@ -26,8 +27,10 @@ from .table import ChunkTable, row_prod
 _GRID_CELL_LIMIT = 1 << 22
 
 
-class PlanError(ValueError):
-    """The chunks do not form a valid layout. ``problems`` maps key id -> reason."""
+class PlanError(UsageError):
+    """The chunks do not form a valid layout. ``problems`` maps key id -> reason. A
+    :class:`~shardpoint.errors.UsageError` (so a ``ValueError``): the save turns it into
+    a message naming the keys; a caller of the pure planners may meet it as it is."""
 
     def __init__(self, problems: dict[int, str]) -> None:
         super().__init__("; ".join(f"key {k}: {v}" for k, v in sorted(problems.items())))

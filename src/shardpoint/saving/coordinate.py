@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..collective import Comm, coordinate
-from ..errors import ShardpointError
+from ..errors import InternalError
 from ..format.manifest import MANIFEST_NAME
 from ..runtime import PROCESS
 from ..storage import Storage
@@ -59,6 +59,6 @@ def request_assignment(comm: Comm, storage: Storage, described: Described | None
     elif held is not None and held.plan_id == reply["plan_id"]:
         assignment = held.assignment
     else:  # pragma: no cover - the coordinator only omits what it sent
-        raise ShardpointError(f"rank {comm.rank}: the coordinator reused a plan this rank does not hold; save again")
+        raise InternalError(f"rank {comm.rank}: the coordinator reused a plan this rank does not hold; save again")
     PROCESS.assignments[comm.tag] = HeldAssignment(digest, reply["plan_id"], assignment)
     return Planned(reply["save_id"], assignment), coord

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._gc import gc_paused
 from .._version import __version__
-from ..errors import RankMismatchError, ShardpointError
+from ..errors import InternalError, RankMismatchError, UsageError
 from ..format import layouts
 from ..format.datafile import CRC_BLOCK, itemsize_of
 from ..format.manifest import Manifest, Tree
@@ -193,7 +193,7 @@ def _box_column(layouts_: list[RankLayout], ids: list[np.ndarray], nds: np.ndarr
         flats = [_flat_boxes(m, name) for m in layouts_[r:e]]
         bad = next((q for q, f in zip(range(r, e), flats) if f.size != want), None)
         if bad is not None:
-            raise ShardpointError(
+            raise InternalError(
                 f"rank {bad} described chunks whose number of dimensions differs from their tensor's shape; "
                 "this is a bug in the layout of that rank's state (report it with the state's types)")
         block = out[row_start[r] : row_start[e]].reshape(e - r, -1)
@@ -227,7 +227,7 @@ def make_plan(layouts_: list[RankLayout]) -> Plan:
         sp = choose_writers(table, shapes, len(layouts_))
     except PlanError as e:
         detail = "; ".join(f"key {keys[k]!r}: {why}" for k, why in sorted(e.problems.items()))
-        raise ShardpointError(f"the ranks' pieces do not form valid tensors: {detail}") from None
+        raise UsageError(f"the ranks' pieces do not form valid tensors: {detail}") from None
     nonempty = nonempty_rows(table.sizes)
     return Plan(keys, info, containers, [m["per_rank"] for m in layouts_], row_start, table, shapes, sp.group,
                 sp.writer & nonempty, sp.replicated & nonempty, sp.placement)
@@ -455,7 +455,12 @@ def placed_layouts(plan: Plan) -> dict[str, Wire]:
             a, b = bounds[i], bounds[i + 1]
             placed[k] = layouts.encode(tuple(plan.info[k]["shape"]), pl.offsets[a:b], pl.sizes[a:b], pl.rank[a:b])
     for i in np.flatnonzero(alias).tolist():
-        placed[plan.keys[i]] = placed[plan.keys[int(pl.same_as[i])]]
+        j, shape = int(pl.same_as[i]), tuple(plan.info[plan.keys[i]]["shape"])
+        if len(shape) == len(plan.info[plan.keys[j]]["shape"]):
+            placed[plan.keys[i]] = placed[plan.keys[j]]
+        else:  # the same padded boxes, another number of dimensions (a 0-d tensor and a 1-element one)
+            a, b = bounds[j], bounds[j + 1]
+            placed[plan.keys[i]] = layouts.encode(shape, pl.offsets[a:b], pl.sizes[a:b], pl.rank[a:b])
     return placed
 
 

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ..errors import FencedError, ShardpointError
+from ..errors import FencedError
 from ..format.digest import is_sealed, unseal
 from ..format.digest import seal as _seal
 from ..storage import Storage
@@ -106,8 +106,8 @@ def claim(root: Storage) -> Owner:
         # a store that ignores the condition lets the last writer win: read back to know who did
         if root.create_new(record_name(gen), data) and bytes(root.read(record_name(gen))) == data:
             return Owner(root, gen)
-    raise ShardpointError(f"could not claim {root.url} for this attempt: {_TRIES} other attempts claimed it at the "
-                          f"same time (see {root.url}/{OWNERS}/); start one attempt of the job at a time")
+    raise FencedError(f"could not claim {root.url} for this attempt: {_TRIES} other attempts claimed it at the "
+                      f"same time (see {root.url}/{OWNERS}/); start one attempt of the job at a time", root=root.url)
 
 
 def describe_claim(root: Storage, generation: int) -> str:

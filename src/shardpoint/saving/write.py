@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..errors import ShardpointError
+from ..errors import InternalError
 from ..format import datafile
 from ..format.datafile import WrittenChunk, crc32, data_header
 from ..format.index import Located, digest, index_bytes, index_name
@@ -149,7 +149,7 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
                         crc, filled = 0, 0
                 seen += len(view)
             if seen != n:  # pragma: no cover - a source that lied about its size
-                raise ShardpointError(f"chunk {cname!r}: {seen} bytes streamed, {n} expected; this is a bug")
+                raise InternalError(f"chunk {cname!r}: {seen} bytes streamed, {n} expected; this is a bug")
             if filled or not these:
                 these.append(crc)
             crcs.append(these)

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, TypeVar
 
-from ..errors import CorruptCheckpointError, UsageError
+from ..errors import CorruptCheckpointError, MissingDependencyError, UsageError
 from ..format.names import check_name
 from .base import Storage, byte_view
 from .retry import Retry, retry_sync
@@ -47,9 +47,9 @@ def _env_size(var: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a whole number of bytes (e.g. {default})") from None
+        raise UsageError(f"{var}={raw!r} is not a whole number of bytes (e.g. {default})") from None
     if value <= 0:
-        raise ValueError(f"{var}={raw!r} must be a positive number of bytes")
+        raise UsageError(f"{var}={raw!r} must be a positive number of bytes")
     return value
 
 
@@ -113,7 +113,7 @@ class FsspecStorage(Storage):
             try:
                 from fsspec.core import url_to_fs
             except ImportError:
-                raise ImportError(
+                raise MissingDependencyError(
                     f"saving to {url} needs fsspec (and s3fs for s3://): pip install 'shardpoint[s3]'"
                 ) from None
             options = dict(storage_options)

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import CorruptCheckpointError, ShardpointError
+from ..errors import CorruptCheckpointError, StorageError, UsageError
 from ..format.names import check_name
 from .base import Storage, byte_view
 
@@ -130,12 +130,12 @@ class LocalStorage(Storage):
         except FileExistsError:
             if os.path.isdir(path):  # another rank or thread made it first
                 return
-            raise ShardpointError(
+            raise UsageError(
                 f"{path} exists and is not a directory; a checkpoint is a directory of files. "
                 "Save to another path, or move that file away"
             ) from None
         except OSError as e:
-            raise ShardpointError(
+            raise StorageError(
                 f"cannot create the checkpoint directory {path} ({e.strerror}); save to a path you can write to"
             ) from e
         _fsync_dir(parent)  # make the new directory entry durable

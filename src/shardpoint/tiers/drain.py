@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
-from ..errors import CorruptCheckpointError, ShardpointError
+from ..errors import CorruptCheckpointError, MemoryTierError, ShardpointError
 from ..format.manifest import MANIFEST_NAME
 from ..load.locate import committed, read_manifest
 from ..saving.commit import commit_checkpoint
@@ -171,7 +171,7 @@ class Drainer:
             proc.stdin.flush()
         except OSError as e:
             self.job, self._proc = None, None
-            raise ShardpointError(f"the drain helper process (pid {proc.pid}) is gone ({e}); step {job.step} "
+            raise MemoryTierError(f"the drain helper process (pid {proc.pid}) is gone ({e}); step {job.step} "
                                   "was not made durable") from e
 
     def _in_thread(self, job: DrainJob) -> None:

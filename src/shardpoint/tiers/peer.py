@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from ..collective import Comm, agree, coordinate
-from ..errors import CollectiveMismatchError, ShardpointError
+from ..errors import CollectiveMismatchError, MemoryTierError, RankFailedError, ShardpointError
 from ..load.read import FileRange
 from ..plan.restore import DURABLE, HeldRange, Inventory, Needs, NewWorld, SnapshotLayout, choose_sources
 from .hosts import RANGES, Hosts, StepHolding
@@ -186,7 +186,7 @@ class PeerFetch:
         order = msgspec.convert(coordinate(comm, mine, error, self._decide), Order)
         if order.missing:
             self.failed = True
-            raise ShardpointError(f"memory snapshot {self.step}: {order.missing}")
+            raise MemoryTierError(f"memory snapshot {self.step}: {order.missing}")
         self.needed, self.incoming = order.needed, order.incoming
         problems: list[str] = []
         err: BaseException | None = None
@@ -196,7 +196,7 @@ class PeerFetch:
                 self.make_folder()
             problems = transfer(comm, self.view.inner.inner.root, order.moves, progress=comm.timeout)
         except ShardpointError as e:
-            if isinstance(e.__cause__, OSError):  # this host's own files: fanned out to every rank
+            if not isinstance(e, RankFailedError):  # this host's own files, the process exiting: fanned out
                 err = e
             else:  # a peer died or hangs mid-transfer: name it and its host
                 peers = sorted({m.src if m.dst == comm.rank else m.dst for m in order.moves} - {comm.rank})
@@ -214,7 +214,7 @@ class PeerFetch:
             # now, and the others fail as soon as they find it gone
             raise gone
         if problems and err is None:
-            err = ShardpointError(f"memory snapshot {self.step}: " + "; ".join(problems))
+            err = MemoryTierError(f"memory snapshot {self.step}: " + "; ".join(problems))
         self.received = sum(m.size for m in order.moves if m.dst == comm.rank) if err is None else 0
         try:
             agree(comm, None, err)  # every rank learns whether every fetch went through

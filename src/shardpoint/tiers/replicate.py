@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from ..collective import Comm
-from ..errors import ShardpointError
+from ..errors import MemoryTierError, ShardpointError
 
 #: Bytes per point-to-point message.
 BLOCK = 64 << 20
@@ -214,7 +214,7 @@ def transfer(comm: Comm, folder: str, moves: Sequence[Move], *, background: bool
     except ShardpointError:
         raise
     except OSError as e:
-        raise ShardpointError(f"rank {me}: a transfer of snapshot files in {folder} failed ({e}); what it "
+        raise MemoryTierError(f"rank {me}: a transfer of snapshot files in {folder} failed ({e}); what it "
                               "carried is not counted") from e
     finally:
         sends.clear()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShardpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MemoryTierError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.pointer import STEP_FOLDER
 from ..health import HealthRule
@@ -81,11 +81,11 @@ def _make_private_dir(path: str) -> None:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
-        raise ShardpointError(f"cannot create the memory tier's folder {path} ({e.strerror}); give "
+        raise MemoryTierError(f"cannot create the memory tier's folder {path} ({e.strerror}); give "
                               "MemoryTier(path=...) a directory you can write to") from e
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise ShardpointError(f"{path} is not a directory owned by this user (uid {os.getuid()}); refusing to keep "
+        raise MemoryTierError(f"{path} is not a directory owned by this user (uid {os.getuid()}); refusing to keep "
                               "snapshots there. Give MemoryTier(path=...) a folder of your own")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
@@ -117,7 +117,7 @@ class JobArea:
             os.link(tmp, path)
         except FileExistsError:
             if not self.owned():
-                raise ShardpointError(f"{path} names another job; its snapshots are not this job's. Remove "
+                raise MemoryTierError(f"{path} names another job; its snapshots are not this job's. Remove "
                                       f"{self.dir} or give MemoryTier(job=...) another identity") from None
         finally:
             os.unlink(tmp)

@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from ..collective import Comm, agree
-from ..errors import CollectiveMismatchError, CorruptCheckpointError, ShardpointError
+from ..errors import CollectiveMismatchError, CorruptCheckpointError, MemoryTierError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..load.locate import read_manifest
 from ..load.pipeline import LoadOptions, load_state
@@ -533,7 +533,7 @@ class Tiers:
                 self.area.open()  # this host receives files: its job folder (any rank may make it)
             problems = transfer(comm, storage.inner.root, cand.fetch, progress=comm.timeout) if cand.fetch else []
             if problems:
-                error = ShardpointError("; ".join(problems))
+                error = MemoryTierError("; ".join(problems))
         except CollectiveMismatchError:
             raise
         except Exception as e:  # noqa: BLE001 - fanned out to every rank
