@@ -505,3 +505,41 @@ def test_the_plan_is_pinned(world, holder_verifies, rows, received, durable, dig
     plan = plan_restore(layout, shard0_targets(layout.shape, len(new)), new, invs, holder_verifies=holder_verifies)
     assert (len(plan), int(plan.received().sum()), plan.from_durable(), _digest(plan)) == \
         (rows, received, durable, digest)
+
+
+def _reversed(layout: SnapshotLayout) -> SnapshotLayout:
+    """The same snapshot with its chunk rows in reverse order (planned by sorting them first)."""
+    r = slice(None, None, -1)
+    return SnapshotLayout(layout.shape, layout.itemsize, layout.tensor[r], layout.file[r], layout.offset[r],
+                          layout.box_offsets[r], layout.box_sizes[r], layout.file_size, layout.block)
+
+
+@SETTINGS
+@given(snapshots(), st.integers(1, 7))
+def test_rows_in_order_and_sorted_make_the_same_needs(snap, new) -> None:  # type: ignore[no-untyped-def]
+    """Chunks in tensor order are planned in batches, others sorted first: the same ranges."""
+    layout = snap[0]
+    targets = shard0_targets(layout.shape, new)
+    n = len(layout.tensor)
+
+    def rows(needs, back):  # type: ignore[no-untyped-def]
+        return sorted(zip(needs.rank.tolist(), back(needs.chunk).tolist(), needs.start.tolist(), needs.stop.tolist()))
+
+    assert rows(needed_ranges(layout, targets), lambda c: c) == \
+        rows(needed_ranges(_reversed(layout), targets), lambda c: n - 1 - c)
+
+
+@pytest.mark.parametrize(("boxes", "why"), [
+    ([((0, 0), (2, 4)), ((2, 0), (3, 4))], "outside its tensor"),
+    ([((0, 0), (3, 4)), ((2, 0), (2, 4))], "overlap"),
+    ([((0, 0), (2, 4)), ((3, 0), (1, 4))], "gap"),
+])
+def test_a_bad_layout_is_refused_in_either_order(boxes, why) -> None:  # type: ignore[no-untyped-def]
+    """A chunk outside its tensor, two overlapping, a gap: named, whether the rows come in order or not."""
+    chunks = [PlacedChunk(0, 0, 16 * i, Box(o, s)) for i, (o, s) in enumerate(boxes)]
+    ok = [PlacedChunk(1, 0, 64, Box((0,), (4,)))]
+    for layout in (SnapshotLayout.of([(4, 4), (4,)], [1, 1], ok + chunks, [80]),
+                   SnapshotLayout.of([(4, 4), (4,)], [1, 1], ok + chunks[::-1], [80])):
+        with pytest.raises(PlanError, match=why) as e:
+            needed_ranges(layout, shard0_targets(layout.shape, 2))
+        assert list(e.value.problems) == [0]

@@ -22,7 +22,7 @@ The records one rank needs come out typed (:meth:`RestorePlan.reads_of`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -241,11 +241,18 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
     rows (checked), each target found among them by binary search. Target ``q`` covers
     chunks ``i0 .. i0 + count - 1``; its pieces start at its own start, then at each
     next chunk's start, and each ends where the next begins (the last at the target's
-    end). A byte of global row ``x`` in chunk ``c`` is at ``x * rowbytes + delta[c]``."""
+    end). A byte of global row ``x`` in chunk ``c`` is at ``x * rowbytes + delta[c]``.
+
+    Chunks and targets already in tensor order (as a save and :func:`shard0_targets`
+    make them) are planned in batches of whole tensors (:func:`_sorted_slab_ranges`);
+    others sorted first, in one piece."""
     shp = layout.shape
     base = np.zeros(len(shp) + 1, dtype=np.int64)
     np.cumsum(shp[:, 0], out=base[1:])
     ct = _take(layout.tensor, chunks)
+    fast = _sorted_slab_ranges(layout, targets, chunks, tgts, base, ct)
+    if fast is not None:
+        return fast
     c0, c1 = _take(layout.box_offsets[:, 0], chunks), _take(layout.box_sizes[:, 0], chunks)
     gs = base[ct] + c0
     if len(gs) > 1 and not bool(np.all(gs[1:] > gs[:-1])):
@@ -293,6 +300,124 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
         rank[m:], ci[m:] = trank[rep], c
         _bytes(gs[c], np.minimum(td[rep], ge[c]), trb[rep], delta[c], start[m:], stop[m:])
     return Needs(rank, ci if chunks is None else chunks[ci], start, stop)
+
+
+#: Rows of chunks and targets planned together by :func:`_sorted_slab_ranges`: a batch's
+#: temporaries stay in the CPU's cache and their memory is reused by the next batch
+#: (at 12 million rows, first touching fresh memory costs more than the work).
+_BATCH = 1 << 18
+
+
+def _nondecreasing(a: np.ndarray) -> bool:
+    return len(a) < 2 or bool(np.all(a[1:] >= a[:-1]))
+
+
+def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | None,
+                        tgts: np.ndarray | None, base: np.ndarray, ct: np.ndarray) -> Needs | None:
+    """:func:`_slab_ranges` in batches of whole tensors, when the chunks' global rows
+    and the targets' tensors are already in order (None when not: the caller sorts).
+    The same rows in the same order, the same errors: every batch is checked before
+    any is planned, and the first failure of each kind raised in the order
+    :func:`_check_tiling` and the target check raise them."""
+    shp = layout.shape
+    tt = _take(targets.tensor, tgts)
+    if not (_nondecreasing(ct) and _nondecreasing(tt)):
+        return None
+    tensors = np.arange(len(shp) + 1, dtype=ct.dtype if len(ct) else np.int64)
+    c_at = np.searchsorted(ct, tensors).astype(np.int64)
+    q_at = np.searchsorted(tt, tensors.astype(tt.dtype) if len(tt) else tensors).astype(np.int64)
+    both = c_at + q_at
+    cuts = np.unique(np.concatenate([[0], np.searchsorted(both, np.arange(_BATCH, int(both[-1]), _BATCH), "right") - 1,
+                                     [len(shp)]]))
+    batches = [(int(c_at[a]), int(c_at[b]), int(q_at[a]), int(q_at[b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    rows = shp[:, 0]
+    c0s, c1s = _take(layout.box_offsets[:, 0], chunks), _take(layout.box_sizes[:, 0], chunks)
+    t0s, t1s = _take(targets.offsets[:, 0], tgts), _take(targets.sizes[:, 0], tgts)
+    first: dict[str, int] = {}  # the first failure of each kind: its tensor
+    last = None
+    for ca, cb, qa, qb in batches:
+        c0, c1, cts = c0s[ca:cb], c1s[ca:cb], ct[ca:cb]
+        gs = np.take(base, cts)
+        gs += c0
+        if len(gs) and ((last is not None and gs[0] <= last) or not bool(np.all(gs[1:] > gs[:-1]))):
+            return None  # not sorted: the caller sorts
+        if len(gs):
+            last = gs[-1]
+            end = c0 + c1
+            out = end > np.take(rows, cts)
+            if "out" not in first and bool(out.any()):
+                first["out"] = int(cts[np.argmax(out)])
+            gs += c1
+            over = gs[:-1] > gs[1:] - c1[1:]
+            if "over" not in first and bool(over.any()):
+                first["over"] = int(cts[np.argmax(over)])
+            has = cts[np.concatenate([[True], cts[1:] != cts[:-1]])]
+            if "gap" not in first and int(c1.sum()) != int(rows[has].sum()):
+                got = np.bincount(cts - has[0], weights=c1)[has - has[0]]
+                first["gap"] = int(has[np.argmax(got != rows[has])])
+        tts, t0, t1 = tt[qa:qb], t0s[qa:qb], t1s[qa:qb]
+        if "target" not in first and len(tts):
+            bad = t0 + t1 > np.take(rows, tts)
+            if bool(bad.any()):
+                first["target"] = int(tts[np.argmax(bad)])
+    for kind, why in (("out", "a saved chunk lies outside its tensor"),
+                      ("over", "saved chunks overlap (the layout does not tile the tensor)"),
+                      ("gap", "the saved chunks do not cover the tensor (a gap)"),
+                      ("target", "a target box lies outside its tensor")):
+        if kind in first:
+            raise PlanError({first[kind]: why})
+    rowbytes = row_prod(shp[:, 1:]) * layout.itemsize
+    offset = _take(layout.offset, chunks)
+    trank_all = _take(targets.rank, tgts)
+    m = len(tt)
+    cap = m + len(ct)  # targets that do not overlap have at most one later piece per chunk
+    rank = np.empty(cap, dtype=np.int32)
+    ci = np.empty(cap, dtype=np.intp)
+    start = np.empty(cap, dtype=np.int64)
+    stop = np.empty(cap, dtype=np.int64)
+    k = m
+    for ca, cb, qa, qb in batches:
+        if qb == qa:
+            continue
+        cts, tts = ct[ca:cb], tt[qa:qb]
+        gs = np.take(base, cts)
+        gs += c0s[ca:cb]
+        ge = gs + c1s[ca:cb]
+        delta = np.take(rowbytes, cts)
+        delta *= gs
+        np.subtract(offset[ca:cb], delta, out=delta)
+        tc = np.take(base, tts)
+        tc += t0s[qa:qb]
+        td = tc + t1s[qa:qb]
+        trb = np.take(rowbytes, tts)
+        i0 = np.searchsorted(gs, tc, "right")
+        i0 -= 1
+        count = _ends(gs, tc, td, i0) - i0
+        lost = (i0 < 0) | (tc >= (np.take(ge, i0) if len(ge) else tc))
+        if bool(lost.any()):
+            raise PlanError({int(tts[np.argmax(lost)]): "a target box is not covered by the saved chunks"})
+        trank = trank_all[qa:qb]
+        rank[qa:qb] = trank
+        np.add(i0, ca, out=ci[qa:qb])
+        _bytes(tc, np.minimum(td, np.take(ge, i0)), trb, np.take(delta, i0), start[qa:qb], stop[qa:qb])
+        multi = np.nonzero(count > 1)[0]
+        if not len(multi):
+            continue
+        extra = count[multi] - 1
+        e = int(extra.sum())
+        if k + e > len(rank):  # overlapping targets: more pieces than chunks
+            cap = max(2 * len(rank), k + e)
+            rank, ci, start, stop = (np.concatenate([a[:k], np.empty(cap - k, dtype=a.dtype)])
+                                     for a in (rank, ci, start, stop))
+        rep = np.repeat(multi, extra)
+        c = np.repeat(i0[multi] - (np.cumsum(extra) - extra) + 1, extra)
+        c += np.arange(e)
+        rank[k : k + e] = trank[rep]
+        np.add(c, ca, out=ci[k : k + e])
+        _bytes(gs[c], np.minimum(td[rep], ge[c]), trb[rep], delta[c], start[k : k + e], stop[k : k + e])
+        k += e
+    ci = ci[:k]
+    return Needs(rank[:k], ci if chunks is None else chunks[ci], start[:k], stop[:k])
 
 
 def _ends(gs: np.ndarray, tc: np.ndarray, td: np.ndarray, i0: np.ndarray) -> np.ndarray:
@@ -453,17 +578,54 @@ def _sum(at: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
     return np.rint(np.bincount(at, weights=nbytes, minlength=n)).astype(np.int64)
 
 
-def _units(key: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(key, return_inverse=True)``; by a dense table when ``span`` (one past
-    the largest key) is small enough, which is several times faster than sorting."""
+def _local_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld,
+                   holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each range's file; its source where its reader's host holds the file whole (else
+    :data:`DURABLE`); its (reader host, file) key; the bytes each host's ranks need
+    (float64, exact below 2**53: the caller checks). In batches, so that no temporary
+    is as long as the plan."""
+    k, n_files, hosts = len(needs), holds.shape[1], holds.shape[0]
+    wide = hosts * n_files >= 1 << 31
+    file = np.empty(k, dtype=np.int32)
+    source = np.empty(k, dtype=np.int32)
+    key = np.empty(k, dtype=np.int64 if wide else np.int32)
+    needed = np.zeros(hosts, dtype=np.float64)
+    flat = holds.ravel()
+    for a in range(0, k, _BATCH):
+        b = min(k, a + _BATCH)
+        d = np.take(world.host, needs.rank[a:b])
+        f = file[a:b]
+        f[:] = np.take(layout.file, needs.chunk[a:b])
+        kk = key[a:b]
+        np.multiply(d, n_files, out=kk, dtype=kk.dtype)
+        kk += f
+        src = source[a:b]
+        src.fill(DURABLE)
+        np.copyto(src, d, where=np.take(flat, kk))
+        needed += np.bincount(d, weights=needs.stop[a:b] - needs.start[a:b], minlength=hosts)
+    return file, source, key, needed
+
+
+def _demand(key: np.ndarray, nbytes: np.ndarray, span: int) -> tuple[np.ndarray, Callable[[np.ndarray, np.ndarray], np.ndarray], np.ndarray]:
+    """The distinct keys (sorted), a function mapping a value per unit to a value per
+    key, and the bytes summed per unit (a dense table when ``span`` is small enough, which is several times faster than
+    sorting and needs no per-row inverse)."""
     if span > 1 << 26:
-        return np.unique(key, return_inverse=True)
+        units, inverse = np.unique(key, return_inverse=True)
+        return units, lambda per_unit, _key: per_unit[inverse], _sum(inverse, nbytes, len(units))
     seen = np.zeros(span, dtype=bool)
     seen[key] = True
     units = np.nonzero(seen)[0]
-    slot = np.zeros(span, dtype=np.int64)
-    slot[units] = np.arange(len(units))
-    return units, slot[key]
+    del seen
+    demand = np.rint(np.bincount(key, weights=nbytes, minlength=span)[units]).astype(np.int64) if len(key) \
+        else np.zeros(0, dtype=np.int64)
+
+    def to_unit(per_unit: np.ndarray, k: np.ndarray) -> np.ndarray:
+        table = np.empty(span, dtype=per_unit.dtype)
+        table[units] = per_unit
+        return np.take(table, k)
+
+    return units, to_unit, demand
 
 
 def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, inventories: Sequence[Inventory],
@@ -489,24 +651,28 @@ def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, invent
             holders[f].append(inv.host)
         for r in inv.ranges:
             ranges.setdefault((inv.host, r.file), []).append(r)
-    dst = world.host[needs.rank]
-    file = layout.file[needs.chunk]
-    source = np.full(len(needs), DURABLE, dtype=np.int32)
-    local = holds[dst, file]
-    source[local] = dst[local]
     start, stop = needs.start, needs.stop
-    needed = _sum(dst, stop - start, hosts)
+    file, source, key, needed_f = _local_sources(layout, needs, world, holds)
+    if needed_f.sum() >= 1 << 53:
+        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
+    needed = np.rint(needed_f).astype(np.int64)
+    dst = world.host[needs.rank] if ranges else np.zeros(0, dtype=np.int32)
     if ranges:  # ranges a host holds itself
         _held_ranges(start, stop, dst, file, source, ranges, own=True)
-    away = np.nonzero(source == DURABLE)[0]
+    away = source == DURABLE
     if not holder_verifies:  # the reader verifies what it gets from elsewhere: whole blocks travel
         start, stop = start.copy(), stop.copy()
-        _round_out(layout, needs.chunk, away, start, stop)
-    key = dst[away].astype(np.int64) * n_files + file[away]
-    units, inverse = _units(key, hosts * n_files)
-    demand = _sum(inverse, stop[away] - start[away], len(units))
+        _round_out(layout, needs.chunk, np.nonzero(away)[0], start, stop)
+    key = key[away]
+    nbytes = stop[away]
+    nbytes -= start[away]
+    if len(nbytes) and int(nbytes.sum()) >= 1 << 53:
+        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
+    units, to_unit, demand = _demand(key, nbytes, hosts * n_files)
+    del nbytes
     pick = _balance(units, demand, holders, n_files, hosts)
-    source[away] = pick[inverse]
+    source[away] = to_unit(pick, key)
+    del key
     if ranges:  # ranges peers hold, for what no whole copy is left of
         _held_ranges(start, stop, dst, file, source, ranges, own=False)
     if holder_verifies:  # the durable root's bytes are checked by their reader
