@@ -22,7 +22,7 @@ The records one rank needs come out typed (:meth:`RestorePlan.reads_of`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,14 +130,18 @@ def shard0_targets(shape: np.ndarray, world: int) -> Targets:
     held[row_prod(shape[:, 1:]) == 0] = 0  # a tensor with no elements: no box
     m = int(held.sum())
     tensor = np.repeat(np.arange(len(shape), dtype=np.int32), held)
-    rank = np.arange(m, dtype=np.int64)
-    rank -= np.repeat(np.cumsum(held) - held, held)
+    rank = np.arange(m, dtype=np.int32 if m < 1 << 31 else np.int64)
+    rank -= np.repeat((np.cumsum(held) - held).astype(rank.dtype), held)
     step = np.repeat(full, held)
-    offsets = np.zeros((m, shape.shape[1]), dtype=np.int64)
+    # column-major: each column one contiguous run, the offsets' zero columns never touched
+    offsets = np.zeros((m, shape.shape[1]), dtype=np.int64, order="F")
     np.multiply(rank, step, out=offsets[:, 0])
-    sizes = np.repeat(shape, held, axis=0)
-    np.minimum(step, sizes[:, 0] - offsets[:, 0], out=sizes[:, 0])
-    return Targets(tensor, rank.astype(np.int32), offsets, sizes)
+    sizes = np.empty((m, shape.shape[1]), dtype=np.int64, order="F")
+    for d in range(1, shape.shape[1]):
+        sizes[:, d] = np.repeat(shape[:, d], held)
+    np.subtract(np.repeat(rows, held), offsets[:, 0], out=sizes[:, 0])
+    np.minimum(step, sizes[:, 0], out=sizes[:, 0])
+    return Targets(tensor, rank.astype(np.int32, copy=False), offsets, sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +198,25 @@ class Needs:
         return int(self.rank.shape[0])
 
 
-def _slabs(tensor: np.ndarray, sizes: np.ndarray, numel: np.ndarray, rowel: np.ndarray) -> np.ndarray:
-    """Which boxes (inside their tensors) span every dimension but the first in full:
-    row slabs, one byte range of any slab chunk that holds them. A box inside its
-    tensor spans them all exactly when its elements are its rows times a row's."""
-    if sizes.shape[1] == 1:
-        return np.ones(len(tensor), dtype=bool)
-    return numel == sizes[:, 0] * rowel[tensor]
+def _scan(tensor: np.ndarray, sizes: np.ndarray, rowel: np.ndarray, n_tensors: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which boxes hold elements, and per tensor how many of those are not row slabs:
+    spanning every dimension but the first in full, one byte range of any slab chunk
+    that holds them (a box inside its tensor spans them all exactly when its elements
+    are its rows times a row's). In batches, so that no temporary is as long as the table."""
+    n = len(tensor)
+    keep = np.empty(n, dtype=bool)
+    bad = np.zeros(n_tensors, dtype=np.int64)
+    for a in range(0, n, _BATCH):
+        b = min(n, a + _BATCH)
+        box = sizes[a:b]
+        numel = row_prod(box)
+        np.greater(numel, 0, out=keep[a:b])
+        if box.shape[1] > 1:
+            off = numel != box[:, 0] * np.take(rowel, tensor[a:b])
+            off &= keep[a:b]
+            if bool(off.any()):
+                bad += np.bincount(tensor[a:b][off], minlength=n_tensors)
+    return keep, bad
 
 
 def needed_ranges(layout: SnapshotLayout, targets: Targets) -> Needs:
@@ -212,14 +228,14 @@ def needed_ranges(layout: SnapshotLayout, targets: Targets) -> Needs:
     Raises :class:`PlanError` when a target is not covered by the saved chunks."""
     shp = layout.shape
     rowel = row_prod(shp[:, 1:])
-    c_numel, t_numel = row_prod(layout.box_sizes), row_prod(targets.sizes)
-    c_keep, t_keep = c_numel > 0, t_numel > 0
-    bad = np.bincount(layout.tensor[c_keep & ~_slabs(layout.tensor, layout.box_sizes, c_numel, rowel)],
-                      minlength=len(shp))
-    bad += np.bincount(targets.tensor[t_keep & ~_slabs(targets.tensor, targets.sizes, t_numel, rowel)],
-                       minlength=len(shp))
+    c_keep, bad = _scan(layout.tensor, layout.box_sizes, rowel, len(shp))
+    t_keep, t_bad = _scan(targets.tensor, targets.sizes, rowel, len(shp))
+    bad += t_bad
     slab = bad == 0
-    c_sel, t_sel = c_keep & slab[layout.tensor], t_keep & slab[targets.tensor]
+    if slab.all():
+        c_sel, t_sel = c_keep, t_keep
+    else:
+        c_sel, t_sel = c_keep & np.take(slab, layout.tensor), t_keep & np.take(slab, targets.tensor)
     parts = [_slab_ranges(layout, targets, None if c_sel.all() else np.nonzero(c_sel)[0],
                           None if t_sel.all() else np.nonzero(t_sel)[0])]
     for t in np.nonzero(~slab)[0]:
@@ -579,16 +595,17 @@ def _sum(at: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
 
 
 def _local_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld,
-                   holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each range's file; its source where its reader's host holds the file whole (else
-    :data:`DURABLE`); its (reader host, file) key; the bytes each host's ranks need
-    (float64, exact below 2**53: the caller checks). In batches, so that no temporary
-    is as long as the plan."""
+                   holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per range: its file; its source where its reader's host holds the file whole
+    (else :data:`DURABLE`); its unit, ``reader host * files + file``, or ``hosts *
+    files`` where read locally; its bytes (float64, as ``np.bincount`` weighs them).
+    And the bytes each host's ranks need (float64, exact below 2**53: the caller
+    checks). In batches, so that no temporary is as long as the plan."""
     k, n_files, hosts = len(needs), holds.shape[1], holds.shape[0]
-    wide = hosts * n_files >= 1 << 31
     file = np.empty(k, dtype=np.int32)
     source = np.empty(k, dtype=np.int32)
-    key = np.empty(k, dtype=np.int64 if wide else np.int32)
+    key = np.empty(k, dtype=np.intp)
+    nbytes = np.empty(k, dtype=np.float64)
     needed = np.zeros(hosts, dtype=np.float64)
     flat = holds.ravel()
     for a in range(0, k, _BATCH):
@@ -601,31 +618,33 @@ def _local_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld,
         kk += f
         src = source[a:b]
         src.fill(DURABLE)
-        np.copyto(src, d, where=np.take(flat, kk))
-        needed += np.bincount(d, weights=needs.stop[a:b] - needs.start[a:b], minlength=hosts)
-    return file, source, key, needed
+        here = np.take(flat, kk)
+        np.copyto(src, d, where=here)
+        kk[here] = hosts * n_files
+        nb = nbytes[a:b]
+        np.subtract(needs.stop[a:b], needs.start[a:b], out=nb, dtype=nb.dtype)
+        needed += np.bincount(d, weights=nb, minlength=hosts)
+    return file, source, key, nbytes, needed
 
 
-def _demand(key: np.ndarray, nbytes: np.ndarray, span: int) -> tuple[np.ndarray, Callable[[np.ndarray, np.ndarray], np.ndarray], np.ndarray]:
-    """The distinct keys (sorted), a function mapping a value per unit to a value per
-    key, and the bytes summed per unit (a dense table when ``span`` is small enough, which is several times faster than
-    sorting and needs no per-row inverse)."""
+def _units(key: np.ndarray, nbytes: np.ndarray, away: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The units of the rows ``away`` (their distinct keys, sorted), the bytes summed per
+    unit, and each such row's unit (as an index into the units). By a dense table when
+    ``span`` (the number of possible keys; rows not away have key ``span``) is small
+    enough, which is several times faster than sorting."""
     if span > 1 << 26:
-        units, inverse = np.unique(key, return_inverse=True)
-        return units, lambda per_unit, _key: per_unit[inverse], _sum(inverse, nbytes, len(units))
-    seen = np.zeros(span, dtype=bool)
+        units, inverse = np.unique(key[away], return_inverse=True)
+        return units, _sum(inverse, nbytes[away], len(units)), inverse
+    summed = np.bincount(key, weights=nbytes, minlength=span + 1)[:span]
+    if summed.sum() >= 1 << 53:
+        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
+    seen = np.zeros(span + 1, dtype=bool)
     seen[key] = True
-    units = np.nonzero(seen)[0]
+    units = np.nonzero(seen[:span])[0]
     del seen
-    demand = np.rint(np.bincount(key, weights=nbytes, minlength=span)[units]).astype(np.int64) if len(key) \
-        else np.zeros(0, dtype=np.int64)
-
-    def to_unit(per_unit: np.ndarray, k: np.ndarray) -> np.ndarray:
-        table = np.empty(span, dtype=per_unit.dtype)
-        table[units] = per_unit
-        return np.take(table, k)
-
-    return units, to_unit, demand
+    slot = np.zeros(span + 1, dtype=np.int32 if len(units) < 1 << 31 else np.int64)
+    slot[units] = np.arange(len(units), dtype=slot.dtype)
+    return units, np.rint(summed[units]).astype(np.int64), np.take(slot, key)[away]
 
 
 def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, inventories: Sequence[Inventory],
@@ -652,27 +671,26 @@ def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, invent
         for r in inv.ranges:
             ranges.setdefault((inv.host, r.file), []).append(r)
     start, stop = needs.start, needs.stop
-    file, source, key, needed_f = _local_sources(layout, needs, world, holds)
+    span = hosts * n_files
+    file, source, key, nbytes, needed_f = _local_sources(layout, needs, world, holds)
     if needed_f.sum() >= 1 << 53:
         raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
     needed = np.rint(needed_f).astype(np.int64)
     dst = world.host[needs.rank] if ranges else np.zeros(0, dtype=np.int32)
     if ranges:  # ranges a host holds itself
         _held_ranges(start, stop, dst, file, source, ranges, own=True)
+        key[source != DURABLE] = span
     away = source == DURABLE
     if not holder_verifies:  # the reader verifies what it gets from elsewhere: whole blocks travel
         start, stop = start.copy(), stop.copy()
-        _round_out(layout, needs.chunk, np.nonzero(away)[0], start, stop)
-    key = key[away]
-    nbytes = stop[away]
-    nbytes -= start[away]
-    if len(nbytes) and int(nbytes.sum()) >= 1 << 53:
-        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
-    units, to_unit, demand = _demand(key, nbytes, hosts * n_files)
-    del nbytes
+        rows = np.nonzero(away)[0]
+        _round_out(layout, needs.chunk, rows, start, stop)
+        nbytes[rows] = stop[rows] - start[rows]
+    units, demand, unit = _units(key, nbytes, away, span)
+    del key, nbytes
     pick = _balance(units, demand, holders, n_files, hosts)
-    source[away] = to_unit(pick, key)
-    del key
+    source[away] = np.take(pick, unit)
+    del unit
     if ranges:  # ranges peers hold, for what no whole copy is left of
         _held_ranges(start, stop, dst, file, source, ranges, own=False)
     if holder_verifies:  # the durable root's bytes are checked by their reader
