@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import time
 import uuid
 import zlib
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .._gc import gc_paused
@@ -34,8 +34,10 @@ from .records import Encoded, RankLayout, RankValues, TensorMeta, TreeLayout, Wi
 
 
 def layout_digest(layout: object) -> str:
-    """A digest that is equal exactly when two layouts (or structures) are."""
-    return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
+    """A digest that is equal exactly when two layouts (or structures) are: of their
+    JSON as msgspec encodes it (in C, several times faster than ``json.dumps``; every
+    rank and every save of a process compare digests made by the same code)."""
+    return hashlib.sha256(msgspec.json.encode(layout)).hexdigest()
 
 
 def layout_message(layout: RankLayout, reference: str | None) -> tuple[str, Wire]:
