@@ -195,7 +195,7 @@ def cpu_bytes(t: torch.Tensor) -> memoryview:
     that requires grad or has its conjugate bit set) through :func:`byte_view`."""
     if t.is_contiguous():
         try:
-            return memoryview(t.numpy()).cast("B")
+            return t.numpy().data.cast("B")
         except (RuntimeError, TypeError):
             pass
     return byte_view(t).numpy().data.cast("B")
