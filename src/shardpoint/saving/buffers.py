@@ -206,6 +206,8 @@ def sources(views: Sequence[torch.Tensor], pool: Pool) -> list[Source]:
     stream in place, device views (all of them through one :class:`Copier`) through
     ``pool``."""
     pooled = [needs_pool(v) for v in views]
+    if not any(pooled):  # the common case on a CPU: every view streams in place
+        return [Source(v) for v in views]
     dev = [v for v, p in zip(views, pooled) if p]
     copier = Copier(pool, dev) if dev else None
     out, j = [], 0

@@ -461,11 +461,14 @@ def placed_layouts(plan: Plan) -> dict[str, Wire]:
     return placed
 
 
-def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str) -> Manifest:
+def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str, *,
+                   merged: dict[str, Encoded] | None = None, placed: dict[str, Wire] | None = None) -> Manifest:
     """The manifest from the plan, the ranks' values and what each rank wrote (its
     file, and the non-finite values it found): each tensor described by its layout
-    (:mod:`shardpoint.format.layouts`)."""
-    tree = _tree(plan.containers, merge_values(plan, values), plan.info, placed_layouts(plan))
+    (:mod:`shardpoint.format.layouts`). ``merged``: :func:`merge_values` of ``values``,
+    ``placed``: :func:`placed_layouts` of ``plan``, where the caller has them."""
+    tree = _tree(plan.containers, merge_values(plan, values) if merged is None else merged, plan.info,
+                 placed_layouts(plan) if placed is None else placed)
     for pkey in sorted({k for pr in plan.per_rank for k in pr}):
         ranks: dict[str, Wire] = {}
         for r, pr in enumerate(plan.per_rank):
@@ -493,6 +496,9 @@ class CachedPlan:
     layouts: list[RankLayout]
     structures: dict[str, Wire]
     plan: Plan
+    #: :func:`placed_layouts` of ``plan``, made by the first manifest built from it (a
+    #: manifest is serialised, never edited: later saves of the layout share it).
+    placed: dict[str, Wire] | None = None
 
 
 def _combined(digests: list[str]) -> str:
@@ -512,6 +518,7 @@ class Coordinator:
     plan: Plan | None = None
     save_id: str = ""
     reused: bool = False  # whether the plan came from the cache
+    merged: dict[str, Encoded] | None = None  # the replicated values, merged by the plan round
 
     def __post_init__(self) -> None:
         self.layouts = [None] * self.world
@@ -561,7 +568,7 @@ class Coordinator:
             known = [lay for lay in self.layouts if lay is not None]  # all of them: none is missing
             self.plan = make_plan(known)
             PROCESS.plans[self.tag] = CachedPlan(combined, digests, known, self.structures, self.plan)
-        merge_values(self.plan, self.values)  # disagreeing values fail before anything is written
+        self.merged = merge_values(self.plan, self.values)  # disagreeing values fail before anything is written
         self.save_id = uuid.uuid4().hex[:12]
         held = [m.get("plan") == combined for m in msgs]
         assign = assignments(self.plan) if not all(held) else [None] * self.world
@@ -573,4 +580,10 @@ class Coordinator:
         assert self.plan is not None
         with gc_paused():
             check_replicas(self.plan, statuses)
-            return build_manifest(self.plan, self.values, statuses, self.save_id)
+            cached = PROCESS.plans.get(self.tag)
+            placed = None
+            if isinstance(cached, CachedPlan) and cached.plan is self.plan:
+                if cached.placed is None:
+                    cached.placed = placed_layouts(self.plan)
+                placed = cached.placed
+            return build_manifest(self.plan, self.values, statuses, self.save_id, merged=self.merged, placed=placed)
