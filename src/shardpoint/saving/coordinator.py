@@ -356,21 +356,27 @@ def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     )
 
 
-def _tree(containers: dict[str, str], values: dict[str, Encoded], info: dict[str, TensorMeta],
-          placed: dict[str, Wire]) -> Tree:
+def _tree(containers: dict[str, str], values: dict[str, Encoded], tensors: dict[str, Wire]) -> Tree:
     """One (sub)tree of the manifest: containers, values, tensors with their layout
-    (the same for the top level and for each rank's per-rank value)."""
+    (:func:`_tensor_entries`; the same for the top level and for each rank's per-rank value)."""
     tree = Tree(containers=dict(sorted(containers.items())))
     for k, v in sorted(values.items()):
         tree.entries[k] = {"kind": "value", "value": v}
+    tree.entries.update(tensors)
+    return tree
+
+
+def _tensor_entries(info: dict[str, TensorMeta], placed: dict[str, Wire]) -> dict[str, Wire]:
+    """The tensors' entries of a (sub)tree, by key: dtype, shape and layout."""
+    out: dict[str, Wire] = {}
     for k in sorted(info):
         t = info[k]
         e: dict[str, Any] = {"kind": "tensor", "dtype": t["dtype"], "shape": t["shape"]}
         if t.get("numpy"):
             e["numpy"] = True
         e.update(placed[k])
-        tree.entries[k] = e
-    return tree
+        out[k] = e
+    return out
 
 
 def _per_rank_placed(d: TreeLayout, rank: int) -> dict[str, Wire]:
@@ -444,6 +450,11 @@ def _row_split_grids(plan: Plan, bounds: np.ndarray) -> dict[str, Wire]:
     return out
 
 
+def tensor_entries(plan: Plan) -> dict[str, Wire]:
+    """The manifest's entries of the plan's tensors (top level), by key."""
+    return _tensor_entries(plan.info, placed_layouts(plan))
+
+
 def placed_layouts(plan: Plan) -> dict[str, Wire]:
     """Each tensor's layout entry (:func:`layouts.encode` of its non-empty boxes and
     their writers), from the plan's placement. A key that shares another's boxes and
@@ -463,19 +474,20 @@ def placed_layouts(plan: Plan) -> dict[str, Wire]:
 
 
 def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str, *,
-                   merged: dict[str, Encoded] | None = None, placed: dict[str, Wire] | None = None) -> Manifest:
+                   merged: dict[str, Encoded] | None = None, tensors: dict[str, Wire] | None = None) -> Manifest:
     """The manifest from the plan, the ranks' values and what each rank wrote (its
     file, and the non-finite values it found): each tensor described by its layout
     (:mod:`shardpoint.format.layouts`). ``merged``: :func:`merge_values` of ``values``,
-    ``placed``: :func:`placed_layouts` of ``plan``, where the caller has them."""
-    tree = _tree(plan.containers, merge_values(plan, values) if merged is None else merged, plan.info,
-                 placed_layouts(plan) if placed is None else placed)
+    ``tensors``: :func:`tensor_entries` of ``plan``, where the caller has them."""
+    tree = _tree(plan.containers, merge_values(plan, values) if merged is None else merged,
+                 tensor_entries(plan) if tensors is None else tensors)
     for pkey in sorted({k for pr in plan.per_rank for k in pr}):
         ranks: dict[str, Wire] = {}
         for r, pr in enumerate(plan.per_rank):
             d = pr.get(pkey)
             if d is not None:
-                sub = _tree(d["containers"], values[r]["per_rank"].get(pkey, {}), d["tensors"], _per_rank_placed(d, r))
+                sub = _tree(d["containers"], values[r]["per_rank"].get(pkey, {}),
+                            _tensor_entries(d["tensors"], _per_rank_placed(d, r)))
                 ranks[str(r)] = sub.to_json()
         tree.entries[pkey] = {"kind": "per_rank", "ranks": ranks}
     files = {st.file: {"size": st.size, "rank": r, "index": st.index.wire()}
@@ -497,9 +509,9 @@ class CachedPlan:
     layouts: list[RankLayout]
     structures: dict[str, Wire]
     plan: Plan
-    #: :func:`placed_layouts` of ``plan``, made by the first manifest built from it (a
-    #: manifest is serialised, never edited: later saves of the layout share it).
-    placed: dict[str, Wire] | None = None
+    #: :func:`tensor_entries` of ``plan``, made by the first manifest built from it (a
+    #: manifest is serialised, never edited: later saves of the layout share them).
+    tensors: dict[str, Wire] | None = None
 
 
 def _combined(digests: list[str]) -> str:
@@ -582,9 +594,9 @@ class Coordinator:
         with gc_paused():
             check_replicas(self.plan, statuses)
             cached = PROCESS.plans.get(self.tag)
-            placed = None
+            tensors = None
             if isinstance(cached, CachedPlan) and cached.plan is self.plan:
-                if cached.placed is None:
-                    cached.placed = placed_layouts(self.plan)
-                placed = cached.placed
-            return build_manifest(self.plan, self.values, statuses, self.save_id, merged=self.merged, placed=placed)
+                if cached.tensors is None:
+                    cached.tensors = tensor_entries(self.plan)
+                tensors = cached.tensors
+            return build_manifest(self.plan, self.values, statuses, self.save_id, merged=self.merged, tensors=tensors)
