@@ -22,7 +22,7 @@ The records one rank needs come out typed (:meth:`RestorePlan.reads_of`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -595,17 +595,13 @@ def _sum(at: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
 
 
 def _local_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld,
-                   holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per range: its file; its source where its reader's host holds the file whole
-    (else :data:`DURABLE`); its unit, ``reader host * files + file``, or ``hosts *
-    files`` where read locally; its bytes (float64, as ``np.bincount`` weighs them).
-    And the bytes each host's ranks need (float64, exact below 2**53: the caller
-    checks). In batches, so that no temporary is as long as the plan."""
+                   holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per range: its file, and its source where its reader's host holds the file
+    whole (else :data:`DURABLE`). And the bytes each host's ranks need (float64, exact
+    below 2**53: the caller checks). In batches, so that no temporary is as long as the plan."""
     k, n_files, hosts = len(needs), holds.shape[1], holds.shape[0]
     file = np.empty(k, dtype=np.int32)
     source = np.empty(k, dtype=np.int32)
-    key = np.empty(k, dtype=np.intp)
-    nbytes = np.empty(k, dtype=np.float64)
     needed = np.zeros(hosts, dtype=np.float64)
     flat = holds.ravel()
     for a in range(0, k, _BATCH):
@@ -613,38 +609,69 @@ def _local_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld,
         d = np.take(world.host, needs.rank[a:b])
         f = file[a:b]
         f[:] = np.take(layout.file, needs.chunk[a:b])
-        kk = key[a:b]
-        np.multiply(d, n_files, out=kk, dtype=kk.dtype)
-        kk += f
         src = source[a:b]
         src.fill(DURABLE)
-        here = np.take(flat, kk)
-        np.copyto(src, d, where=here)
-        kk[here] = hosts * n_files
-        nb = nbytes[a:b]
-        np.subtract(needs.stop[a:b], needs.start[a:b], out=nb, dtype=nb.dtype)
-        needed += np.bincount(d, weights=nb, minlength=hosts)
-    return file, source, key, nbytes, needed
+        np.copyto(src, d, where=np.take(flat, _unit_keys(d, f, n_files)))
+        needed += np.bincount(d, weights=np.subtract(needs.stop[a:b], needs.start[a:b], dtype=np.float64),
+                              minlength=hosts)
+    return file, source, needed
 
 
-def _units(key: np.ndarray, nbytes: np.ndarray, away: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The units of the rows ``away`` (their distinct keys, sorted), the bytes summed per
-    unit, and each such row's unit (as an index into the units). By a dense table when
-    ``span`` (the number of possible keys; rows not away have key ``span``) is small
-    enough, which is several times faster than sorting."""
+def _unit_keys(dst: np.ndarray, file: np.ndarray, n_files: int) -> np.ndarray:
+    """Each range's unit: ``reader host * files + file``."""
+    key = np.multiply(dst, n_files, dtype=np.intp)
+    key += file
+    return key
+
+
+#: Rows of a plan whose units are summed in one ``np.bincount`` by :func:`_by_unit`
+#: (each sum allocates a table of every (host, file) unit: few and large).
+_UNIT_BATCH = 1 << 22
+
+
+def _by_unit(world: NewWorld, rank: np.ndarray, file: np.ndarray, start: np.ndarray, stop: np.ndarray,
+             away: np.ndarray, source: np.ndarray, n_files: int, hosts: int,
+             choose: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    """Group the rows ``away`` by unit (reader host, file), sum their bytes per unit,
+    ``choose`` a source per unit (from the units, sorted, and their bytes), and set
+    every such row's ``source`` to its unit's, in place. By a dense table of the units
+    in batches of rows (no per-row key or inverse as long as the plan) when there are
+    few enough possible units, which is several times faster than sorting; else by
+    sorting the rows' keys."""
+    span = hosts * n_files
+    k = len(rank)
     if span > 1 << 26:
-        units, inverse = np.unique(key[away], return_inverse=True)
-        return units, _sum(inverse, nbytes[away], len(units)), inverse
-    summed = np.bincount(key, weights=nbytes, minlength=span + 1)[:span]
-    if summed.sum() >= 1 << 53:
-        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
+        rows = np.nonzero(away)[0]
+        key = _unit_keys(np.take(world.host, rank[rows]), file[rows], n_files)
+        units, inverse = np.unique(key, return_inverse=True)
+        pick = choose(units, _sum(inverse, stop[rows] - start[rows], len(units)))
+        source[rows] = pick[inverse]
+        return
+    summed = np.zeros(span + 1, dtype=np.float64)
     seen = np.zeros(span + 1, dtype=bool)
-    seen[key] = True
+
+    def keys(a: int, b: int) -> np.ndarray:  # rows a:b's units; span for the rows not away
+        key = _unit_keys(np.take(world.host, rank[a:b]), file[a:b], n_files)
+        key[~away[a:b]] = span
+        return key
+
+    for a in range(0, k, _UNIT_BATCH):
+        b = min(k, a + _UNIT_BATCH)
+        key = keys(a, b)
+        summed += np.bincount(key, weights=np.subtract(stop[a:b], start[a:b], dtype=np.float64), minlength=span + 1)
+        seen[key] = True
+    if summed[:span].sum() >= 1 << 53:
+        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
     units = np.nonzero(seen[:span])[0]
     del seen
-    slot = np.zeros(span + 1, dtype=np.int32 if len(units) < 1 << 31 else np.int64)
-    slot[units] = np.arange(len(units), dtype=slot.dtype)
-    return units, np.rint(summed[units]).astype(np.int64), np.take(slot, key)[away]
+    pick = choose(units, np.rint(summed[units]).astype(np.int64))
+    del summed
+    table = np.empty(span + 1, dtype=pick.dtype)
+    table[units] = pick
+    for a in range(0, k, _UNIT_BATCH):
+        b = min(k, a + _UNIT_BATCH)
+        rows = away[a:b]
+        source[a:b][rows] = np.take(table, keys(a, b)[rows])
 
 
 def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, inventories: Sequence[Inventory],
@@ -671,26 +698,19 @@ def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, invent
         for r in inv.ranges:
             ranges.setdefault((inv.host, r.file), []).append(r)
     start, stop = needs.start, needs.stop
-    span = hosts * n_files
-    file, source, key, nbytes, needed_f = _local_sources(layout, needs, world, holds)
+    file, source, needed_f = _local_sources(layout, needs, world, holds)
     if needed_f.sum() >= 1 << 53:
         raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
     needed = np.rint(needed_f).astype(np.int64)
     dst = world.host[needs.rank] if ranges else np.zeros(0, dtype=np.int32)
     if ranges:  # ranges a host holds itself
         _held_ranges(start, stop, dst, file, source, ranges, own=True)
-        key[source != DURABLE] = span
     away = source == DURABLE
     if not holder_verifies:  # the reader verifies what it gets from elsewhere: whole blocks travel
         start, stop = start.copy(), stop.copy()
-        rows = np.nonzero(away)[0]
-        _round_out(layout, needs.chunk, rows, start, stop)
-        nbytes[rows] = stop[rows] - start[rows]
-    units, demand, unit = _units(key, nbytes, away, span)
-    del key, nbytes
-    pick = _balance(units, demand, holders, n_files, hosts)
-    source[away] = np.take(pick, unit)
-    del unit
+        _round_out(layout, needs.chunk, np.nonzero(away)[0], start, stop)
+    _by_unit(world, needs.rank, file, start, stop, away, source, n_files, hosts,
+             lambda units, demand: _balance(units, demand, holders, n_files, hosts))
     if ranges:  # ranges peers hold, for what no whole copy is left of
         _held_ranges(start, stop, dst, file, source, ranges, own=False)
     if holder_verifies:  # the durable root's bytes are checked by their reader
