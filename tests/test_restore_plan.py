@@ -517,7 +517,8 @@ def _reversed(layout: SnapshotLayout) -> SnapshotLayout:
 @SETTINGS
 @given(snapshots(), st.integers(1, 7))
 def test_rows_in_order_and_sorted_make_the_same_needs(snap, new) -> None:  # type: ignore[no-untyped-def]
-    """Chunks in tensor order are planned in batches, others sorted first: the same ranges."""
+    """Chunks in tensor order are planned in batches, others sorted first: the same
+    ranges; batches of any size: the same ranges in the same order."""
     layout = snap[0]
     targets = shard0_targets(layout.shape, new)
     n = len(layout.tensor)
@@ -525,8 +526,16 @@ def test_rows_in_order_and_sorted_make_the_same_needs(snap, new) -> None:  # typ
     def rows(needs, back):  # type: ignore[no-untyped-def]
         return sorted(zip(needs.rank.tolist(), back(needs.chunk).tolist(), needs.start.tolist(), needs.stop.tolist()))
 
-    assert rows(needed_ranges(layout, targets), lambda c: c) == \
-        rows(needed_ranges(_reversed(layout), targets), lambda c: n - 1 - c)
+    whole = rows(needed_ranges(layout, targets), lambda c: c)
+    assert whole == rows(needed_ranges(_reversed(layout), targets), lambda c: n - 1 - c)
+    from unittest import mock
+
+    import shardpoint.plan.restore as restore
+
+    with mock.patch.object(restore, "_BATCH", 3):  # many batches of a tensor or two
+        small = needed_ranges(layout, targets)
+    assert rows(small, lambda c: c) == whole
+    assert small.rank.tolist() == needed_ranges(layout, targets).rank.tolist()  # the same order too
 
 
 @pytest.mark.parametrize(("boxes", "why"), [
@@ -543,3 +552,26 @@ def test_a_bad_layout_is_refused_in_either_order(boxes, why) -> None:  # type: i
         with pytest.raises(PlanError, match=why) as e:
             needed_ranges(layout, shard0_targets(layout.shape, 2))
         assert list(e.value.problems) == [0]
+
+
+def test_overlapping_targets_read_every_chunk_each() -> None:
+    """Targets that overlap (every rank loads the whole tensor): more pieces than saved
+    chunks, the same in order as sorted, each rank's bytes the whole tensor's."""
+    shape = np.array([[12, 3], [5, 2]], dtype=np.int64)
+    saved = shard0_targets(shape, 6)
+    chunks, ends = [], [0] * 6
+    for t, r, o, s in zip(saved.tensor, saved.rank, saved.offsets, saved.sizes):
+        chunks.append(PlacedChunk(int(t), int(r), ends[r], Box(tuple(map(int, o)), tuple(map(int, s)))))
+        ends[r] += int(s[0] * s[1] * 4)
+    layout = SnapshotLayout.of([(12, 3), (5, 2)], [4, 4], chunks, ends)
+    whole = Targets(np.array([0, 0, 0, 1, 1, 1], dtype=np.int32), np.array([0, 1, 2, 0, 1, 2], dtype=np.int32),
+                    np.zeros((6, 2), dtype=np.int64), np.repeat(shape, 3, axis=0))
+    needs = needed_ranges(layout, whole)
+    n = len(layout.tensor)
+    assert len(needs) == 3 * n
+    assert sorted(zip(needs.rank.tolist(), needs.chunk.tolist(), needs.start.tolist(), needs.stop.tolist())) == \
+        sorted(zip(*(a.tolist() for a in (lambda x: (x.rank, n - 1 - x.chunk, x.start, x.stop))(
+            needed_ranges(_reversed(layout), whole)))))
+    for r in range(3):
+        rows = needs.rank == r
+        assert int((needs.stop - needs.start)[rows].sum()) == (12 * 3 + 5 * 2) * 4

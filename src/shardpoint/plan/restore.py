@@ -328,6 +328,25 @@ def _nondecreasing(a: np.ndarray) -> bool:
     return len(a) < 2 or bool(np.all(a[1:] >= a[:-1]))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Slabs:
+    """The row-slab chunks and targets :func:`_slab_ranges` plans (already selected):
+    each chunk's tensor, first row, rows and byte offset; each target's tensor, first
+    row, rows and rank; where each tensor's rows start on the one row axis
+    (``base``), and each tensor's bytes per row."""
+
+    ct: np.ndarray
+    c0: np.ndarray
+    c1: np.ndarray
+    offset: np.ndarray
+    tt: np.ndarray
+    t0: np.ndarray
+    t1: np.ndarray
+    trank: np.ndarray
+    base: np.ndarray
+    rowbytes: np.ndarray
+
+
 def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | None,
                         tgts: np.ndarray | None, base: np.ndarray, ct: np.ndarray) -> Needs | None:
     """:func:`_slab_ranges` in batches of whole tensors, when the chunks' global rows
@@ -339,6 +358,9 @@ def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.nda
     tt = _take(targets.tensor, tgts)
     if not (_nondecreasing(ct) and _nondecreasing(tt)):
         return None
+    s = _Slabs(ct, _take(layout.box_offsets[:, 0], chunks), _take(layout.box_sizes[:, 0], chunks),
+               _take(layout.offset, chunks), tt, _take(targets.offsets[:, 0], tgts), _take(targets.sizes[:, 0], tgts),
+               _take(targets.rank, tgts), base, row_prod(shp[:, 1:]) * layout.itemsize)
     tensors = np.arange(len(shp) + 1, dtype=ct.dtype if len(ct) else np.int64)
     c_at = np.searchsorted(ct, tensors).astype(np.int64)
     q_at = np.searchsorted(tt, tensors.astype(tt.dtype) if len(tt) else tensors).astype(np.int64)
@@ -346,21 +368,28 @@ def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.nda
     cuts = np.unique(np.concatenate([[0], np.searchsorted(both, np.arange(_BATCH, int(both[-1]), _BATCH), "right") - 1,
                                      [len(shp)]]))
     batches = [(int(c_at[a]), int(c_at[b]), int(q_at[a]), int(q_at[b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-    rows = shp[:, 0]
-    c0s, c1s = _take(layout.box_offsets[:, 0], chunks), _take(layout.box_sizes[:, 0], chunks)
-    t0s, t1s = _take(targets.offsets[:, 0], tgts), _take(targets.sizes[:, 0], tgts)
+    if not _check_batches(s, shp[:, 0], batches):
+        return None
+    rank, ci, start, stop = _plan_batches(s, batches)
+    return Needs(rank, ci if chunks is None else chunks[ci], start, stop)
+
+
+def _check_batches(s: _Slabs, rows: np.ndarray, batches: list[tuple[int, int, int, int]]) -> bool:
+    """Check every batch ((chunk rows, target rows) of whole tensors): False if the
+    chunks' global rows are not strictly increasing (the caller sorts them); raise the
+    first failure of the first kind of :func:`_check_tiling`'s, then of the target
+    check; True when all is well."""
     first: dict[str, int] = {}  # the first failure of each kind: its tensor
     last = None
     for ca, cb, qa, qb in batches:
-        c0, c1, cts = c0s[ca:cb], c1s[ca:cb], ct[ca:cb]
-        gs = np.take(base, cts)
+        c0, c1, cts = s.c0[ca:cb], s.c1[ca:cb], s.ct[ca:cb]
+        gs = np.take(s.base, cts)
         gs += c0
         if len(gs) and ((last is not None and gs[0] <= last) or not bool(np.all(gs[1:] > gs[:-1]))):
-            return None  # not sorted: the caller sorts
+            return False
         if len(gs):
             last = gs[-1]
-            end = c0 + c1
-            out = end > np.take(rows, cts)
+            out = c0 + c1 > np.take(rows, cts)
             if "out" not in first and bool(out.any()):
                 first["out"] = int(cts[np.argmax(out)])
             gs += c1
@@ -371,9 +400,9 @@ def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.nda
             if "gap" not in first and int(c1.sum()) != int(rows[has].sum()):
                 got = np.bincount(cts - has[0], weights=c1)[has - has[0]]
                 first["gap"] = int(has[np.argmax(got != rows[has])])
-        tts, t0, t1 = tt[qa:qb], t0s[qa:qb], t1s[qa:qb]
+        tts = s.tt[qa:qb]
         if "target" not in first and len(tts):
-            bad = t0 + t1 > np.take(rows, tts)
+            bad = s.t0[qa:qb] + s.t1[qa:qb] > np.take(rows, tts)
             if bool(bad.any()):
                 first["target"] = int(tts[np.argmax(bad)])
     for kind, why in (("out", "a saved chunk lies outside its tensor"),
@@ -382,11 +411,16 @@ def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.nda
                       ("target", "a target box lies outside its tensor")):
         if kind in first:
             raise PlanError({first[kind]: why})
-    rowbytes = row_prod(shp[:, 1:]) * layout.itemsize
-    offset = _take(layout.offset, chunks)
-    trank_all = _take(targets.rank, tgts)
-    m = len(tt)
-    cap = m + len(ct)  # targets that do not overlap have at most one later piece per chunk
+    return True
+
+
+def _plan_batches(s: _Slabs, batches: list[tuple[int, int, int, int]]) -> tuple[np.ndarray, ...]:
+    """Rank, chunk (a row of ``s``), start and stop of every piece: each target's first
+    piece at the target's own row, the later pieces after all of them, target by
+    target, as :func:`_slab_ranges` orders them; written batch by batch into arrays
+    allocated once."""
+    m = len(s.tt)
+    cap = m + len(s.ct)  # targets that do not overlap have at most one later piece per chunk
     rank = np.empty(cap, dtype=np.int32)
     ci = np.empty(cap, dtype=np.intp)
     start = np.empty(cap, dtype=np.int64)
@@ -395,24 +429,24 @@ def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.nda
     for ca, cb, qa, qb in batches:
         if qb == qa:
             continue
-        cts, tts = ct[ca:cb], tt[qa:qb]
-        gs = np.take(base, cts)
-        gs += c0s[ca:cb]
-        ge = gs + c1s[ca:cb]
-        delta = np.take(rowbytes, cts)
+        cts, tts = s.ct[ca:cb], s.tt[qa:qb]
+        gs = np.take(s.base, cts)
+        gs += s.c0[ca:cb]
+        ge = gs + s.c1[ca:cb]
+        delta = np.take(s.rowbytes, cts)
         delta *= gs
-        np.subtract(offset[ca:cb], delta, out=delta)
-        tc = np.take(base, tts)
-        tc += t0s[qa:qb]
-        td = tc + t1s[qa:qb]
-        trb = np.take(rowbytes, tts)
+        np.subtract(s.offset[ca:cb], delta, out=delta)
+        tc = np.take(s.base, tts)
+        tc += s.t0[qa:qb]
+        td = tc + s.t1[qa:qb]
+        trb = np.take(s.rowbytes, tts)
         i0 = np.searchsorted(gs, tc, "right")
         i0 -= 1
         count = _ends(gs, tc, td, i0) - i0
         lost = (i0 < 0) | (tc >= (np.take(ge, i0) if len(ge) else tc))
         if bool(lost.any()):
             raise PlanError({int(tts[np.argmax(lost)]): "a target box is not covered by the saved chunks"})
-        trank = trank_all[qa:qb]
+        trank = s.trank[qa:qb]
         rank[qa:qb] = trank
         np.add(i0, ca, out=ci[qa:qb])
         _bytes(tc, np.minimum(td, np.take(ge, i0)), trb, np.take(delta, i0), start[qa:qb], stop[qa:qb])
@@ -432,8 +466,7 @@ def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.nda
         np.add(c, ca, out=ci[k : k + e])
         _bytes(gs[c], np.minimum(td[rep], ge[c]), trb[rep], delta[c], start[k : k + e], stop[k : k + e])
         k += e
-    ci = ci[:k]
-    return Needs(rank[:k], ci if chunks is None else chunks[ci], start[:k], stop[:k])
+    return rank[:k], ci[:k], start[:k], stop[:k]
 
 
 def _ends(gs: np.ndarray, tc: np.ndarray, td: np.ndarray, i0: np.ndarray) -> np.ndarray:
