@@ -22,7 +22,7 @@ The records one rank needs come out typed (:meth:`RestorePlan.reads_of`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,14 +130,18 @@ def shard0_targets(shape: np.ndarray, world: int) -> Targets:
     held[row_prod(shape[:, 1:]) == 0] = 0  # a tensor with no elements: no box
     m = int(held.sum())
     tensor = np.repeat(np.arange(len(shape), dtype=np.int32), held)
-    rank = np.arange(m, dtype=np.int64)
-    rank -= np.repeat(np.cumsum(held) - held, held)
+    rank = np.arange(m, dtype=np.int32 if m < 1 << 31 else np.int64)
+    rank -= np.repeat((np.cumsum(held) - held).astype(rank.dtype), held)
     step = np.repeat(full, held)
-    offsets = np.zeros((m, shape.shape[1]), dtype=np.int64)
+    # column-major: each column one contiguous run, the offsets' zero columns never touched
+    offsets = np.zeros((m, shape.shape[1]), dtype=np.int64, order="F")
     np.multiply(rank, step, out=offsets[:, 0])
-    sizes = np.repeat(shape, held, axis=0)
-    np.minimum(step, sizes[:, 0] - offsets[:, 0], out=sizes[:, 0])
-    return Targets(tensor, rank.astype(np.int32), offsets, sizes)
+    sizes = np.empty((m, shape.shape[1]), dtype=np.int64, order="F")
+    for d in range(1, shape.shape[1]):
+        sizes[:, d] = np.repeat(shape[:, d], held)
+    np.subtract(np.repeat(rows, held), offsets[:, 0], out=sizes[:, 0])
+    np.minimum(step, sizes[:, 0], out=sizes[:, 0])
+    return Targets(tensor, rank.astype(np.int32, copy=False), offsets, sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +198,25 @@ class Needs:
         return int(self.rank.shape[0])
 
 
-def _slabs(tensor: np.ndarray, sizes: np.ndarray, numel: np.ndarray, rowel: np.ndarray) -> np.ndarray:
-    """Which boxes (inside their tensors) span every dimension but the first in full:
-    row slabs, one byte range of any slab chunk that holds them. A box inside its
-    tensor spans them all exactly when its elements are its rows times a row's."""
-    if sizes.shape[1] == 1:
-        return np.ones(len(tensor), dtype=bool)
-    return numel == sizes[:, 0] * rowel[tensor]
+def _scan(tensor: np.ndarray, sizes: np.ndarray, rowel: np.ndarray, n_tensors: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which boxes hold elements, and per tensor how many of those are not row slabs:
+    spanning every dimension but the first in full, one byte range of any slab chunk
+    that holds them (a box inside its tensor spans them all exactly when its elements
+    are its rows times a row's). In batches, so that no temporary is as long as the table."""
+    n = len(tensor)
+    keep = np.empty(n, dtype=bool)
+    bad = np.zeros(n_tensors, dtype=np.int64)
+    for a in range(0, n, _BATCH):
+        b = min(n, a + _BATCH)
+        box = sizes[a:b]
+        numel = row_prod(box)
+        np.greater(numel, 0, out=keep[a:b])
+        if box.shape[1] > 1:
+            off = numel != box[:, 0] * np.take(rowel, tensor[a:b])
+            off &= keep[a:b]
+            if bool(off.any()):
+                bad += np.bincount(tensor[a:b][off], minlength=n_tensors)
+    return keep, bad
 
 
 def needed_ranges(layout: SnapshotLayout, targets: Targets) -> Needs:
@@ -212,14 +228,14 @@ def needed_ranges(layout: SnapshotLayout, targets: Targets) -> Needs:
     Raises :class:`PlanError` when a target is not covered by the saved chunks."""
     shp = layout.shape
     rowel = row_prod(shp[:, 1:])
-    c_numel, t_numel = row_prod(layout.box_sizes), row_prod(targets.sizes)
-    c_keep, t_keep = c_numel > 0, t_numel > 0
-    bad = np.bincount(layout.tensor[c_keep & ~_slabs(layout.tensor, layout.box_sizes, c_numel, rowel)],
-                      minlength=len(shp))
-    bad += np.bincount(targets.tensor[t_keep & ~_slabs(targets.tensor, targets.sizes, t_numel, rowel)],
-                       minlength=len(shp))
+    c_keep, bad = _scan(layout.tensor, layout.box_sizes, rowel, len(shp))
+    t_keep, t_bad = _scan(targets.tensor, targets.sizes, rowel, len(shp))
+    bad += t_bad
     slab = bad == 0
-    c_sel, t_sel = c_keep & slab[layout.tensor], t_keep & slab[targets.tensor]
+    if slab.all():
+        c_sel, t_sel = c_keep, t_keep
+    else:
+        c_sel, t_sel = c_keep & np.take(slab, layout.tensor), t_keep & np.take(slab, targets.tensor)
     parts = [_slab_ranges(layout, targets, None if c_sel.all() else np.nonzero(c_sel)[0],
                           None if t_sel.all() else np.nonzero(t_sel)[0])]
     for t in np.nonzero(~slab)[0]:
@@ -241,11 +257,18 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
     rows (checked), each target found among them by binary search. Target ``q`` covers
     chunks ``i0 .. i0 + count - 1``; its pieces start at its own start, then at each
     next chunk's start, and each ends where the next begins (the last at the target's
-    end). A byte of global row ``x`` in chunk ``c`` is at ``x * rowbytes + delta[c]``."""
+    end). A byte of global row ``x`` in chunk ``c`` is at ``x * rowbytes + delta[c]``.
+
+    Chunks and targets already in tensor order (as a save and :func:`shard0_targets`
+    make them) are planned in batches of whole tensors (:func:`_sorted_slab_ranges`);
+    others sorted first, in one piece."""
     shp = layout.shape
     base = np.zeros(len(shp) + 1, dtype=np.int64)
     np.cumsum(shp[:, 0], out=base[1:])
     ct = _take(layout.tensor, chunks)
+    fast = _sorted_slab_ranges(layout, targets, chunks, tgts, base, ct)
+    if fast is not None:
+        return fast
     c0, c1 = _take(layout.box_offsets[:, 0], chunks), _take(layout.box_sizes[:, 0], chunks)
     gs = base[ct] + c0
     if len(gs) > 1 and not bool(np.all(gs[1:] > gs[:-1])):
@@ -293,6 +316,157 @@ def _slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | 
         rank[m:], ci[m:] = trank[rep], c
         _bytes(gs[c], np.minimum(td[rep], ge[c]), trb[rep], delta[c], start[m:], stop[m:])
     return Needs(rank, ci if chunks is None else chunks[ci], start, stop)
+
+
+#: Rows of chunks and targets planned together by :func:`_sorted_slab_ranges`: a batch's
+#: temporaries stay in the CPU's cache and their memory is reused by the next batch
+#: (at 12 million rows, first touching fresh memory costs more than the work).
+_BATCH = 1 << 18
+
+
+def _nondecreasing(a: np.ndarray) -> bool:
+    return len(a) < 2 or bool(np.all(a[1:] >= a[:-1]))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Slabs:
+    """The row-slab chunks and targets :func:`_slab_ranges` plans (already selected):
+    each chunk's tensor, first row, rows and byte offset; each target's tensor, first
+    row, rows and rank; where each tensor's rows start on the one row axis
+    (``base``), and each tensor's bytes per row."""
+
+    ct: np.ndarray
+    c0: np.ndarray
+    c1: np.ndarray
+    offset: np.ndarray
+    tt: np.ndarray
+    t0: np.ndarray
+    t1: np.ndarray
+    trank: np.ndarray
+    base: np.ndarray
+    rowbytes: np.ndarray
+
+
+def _sorted_slab_ranges(layout: SnapshotLayout, targets: Targets, chunks: np.ndarray | None,
+                        tgts: np.ndarray | None, base: np.ndarray, ct: np.ndarray) -> Needs | None:
+    """:func:`_slab_ranges` in batches of whole tensors, when the chunks' global rows
+    and the targets' tensors are already in order (None when not: the caller sorts).
+    The same rows in the same order, the same errors: every batch is checked before
+    any is planned, and the first failure of each kind raised in the order
+    :func:`_check_tiling` and the target check raise them."""
+    shp = layout.shape
+    tt = _take(targets.tensor, tgts)
+    if not (_nondecreasing(ct) and _nondecreasing(tt)):
+        return None
+    s = _Slabs(ct, _take(layout.box_offsets[:, 0], chunks), _take(layout.box_sizes[:, 0], chunks),
+               _take(layout.offset, chunks), tt, _take(targets.offsets[:, 0], tgts), _take(targets.sizes[:, 0], tgts),
+               _take(targets.rank, tgts), base, row_prod(shp[:, 1:]) * layout.itemsize)
+    tensors = np.arange(len(shp) + 1, dtype=ct.dtype if len(ct) else np.int64)
+    c_at = np.searchsorted(ct, tensors).astype(np.int64)
+    q_at = np.searchsorted(tt, tensors.astype(tt.dtype) if len(tt) else tensors).astype(np.int64)
+    both = c_at + q_at
+    cuts = np.unique(np.concatenate([[0], np.searchsorted(both, np.arange(_BATCH, int(both[-1]), _BATCH), "right") - 1,
+                                     [len(shp)]]))
+    batches = [(int(c_at[a]), int(c_at[b]), int(q_at[a]), int(q_at[b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    if not _check_batches(s, shp[:, 0], batches):
+        return None
+    rank, ci, start, stop = _plan_batches(s, batches)
+    return Needs(rank, ci if chunks is None else chunks[ci], start, stop)
+
+
+def _check_batches(s: _Slabs, rows: np.ndarray, batches: list[tuple[int, int, int, int]]) -> bool:
+    """Check every batch ((chunk rows, target rows) of whole tensors): False if the
+    chunks' global rows are not strictly increasing (the caller sorts them); raise the
+    first failure of the first kind of :func:`_check_tiling`'s, then of the target
+    check; True when all is well."""
+    first: dict[str, int] = {}  # the first failure of each kind: its tensor
+    last = None
+    for ca, cb, qa, qb in batches:
+        c0, c1, cts = s.c0[ca:cb], s.c1[ca:cb], s.ct[ca:cb]
+        gs = np.take(s.base, cts)
+        gs += c0
+        if len(gs) and ((last is not None and gs[0] <= last) or not bool(np.all(gs[1:] > gs[:-1]))):
+            return False
+        if len(gs):
+            last = gs[-1]
+            out = c0 + c1 > np.take(rows, cts)
+            if "out" not in first and bool(out.any()):
+                first["out"] = int(cts[np.argmax(out)])
+            gs += c1
+            over = gs[:-1] > gs[1:] - c1[1:]
+            if "over" not in first and bool(over.any()):
+                first["over"] = int(cts[np.argmax(over)])
+            has = cts[np.concatenate([[True], cts[1:] != cts[:-1]])]
+            if "gap" not in first and int(c1.sum()) != int(rows[has].sum()):
+                got = np.bincount(cts - has[0], weights=c1)[has - has[0]]
+                first["gap"] = int(has[np.argmax(got != rows[has])])
+        tts = s.tt[qa:qb]
+        if "target" not in first and len(tts):
+            bad = s.t0[qa:qb] + s.t1[qa:qb] > np.take(rows, tts)
+            if bool(bad.any()):
+                first["target"] = int(tts[np.argmax(bad)])
+    for kind, why in (("out", "a saved chunk lies outside its tensor"),
+                      ("over", "saved chunks overlap (the layout does not tile the tensor)"),
+                      ("gap", "the saved chunks do not cover the tensor (a gap)"),
+                      ("target", "a target box lies outside its tensor")):
+        if kind in first:
+            raise PlanError({first[kind]: why})
+    return True
+
+
+def _plan_batches(s: _Slabs, batches: list[tuple[int, int, int, int]]) -> tuple[np.ndarray, ...]:
+    """Rank, chunk (a row of ``s``), start and stop of every piece: each target's first
+    piece at the target's own row, the later pieces after all of them, target by
+    target, as :func:`_slab_ranges` orders them; written batch by batch into arrays
+    allocated once."""
+    m = len(s.tt)
+    cap = m + len(s.ct)  # targets that do not overlap have at most one later piece per chunk
+    rank = np.empty(cap, dtype=np.int32)
+    ci = np.empty(cap, dtype=np.intp)
+    start = np.empty(cap, dtype=np.int64)
+    stop = np.empty(cap, dtype=np.int64)
+    k = m
+    for ca, cb, qa, qb in batches:
+        if qb == qa:
+            continue
+        cts, tts = s.ct[ca:cb], s.tt[qa:qb]
+        gs = np.take(s.base, cts)
+        gs += s.c0[ca:cb]
+        ge = gs + s.c1[ca:cb]
+        delta = np.take(s.rowbytes, cts)
+        delta *= gs
+        np.subtract(s.offset[ca:cb], delta, out=delta)
+        tc = np.take(s.base, tts)
+        tc += s.t0[qa:qb]
+        td = tc + s.t1[qa:qb]
+        trb = np.take(s.rowbytes, tts)
+        i0 = np.searchsorted(gs, tc, "right")
+        i0 -= 1
+        count = _ends(gs, tc, td, i0) - i0
+        lost = (i0 < 0) | (tc >= (np.take(ge, i0) if len(ge) else tc))
+        if bool(lost.any()):
+            raise PlanError({int(tts[np.argmax(lost)]): "a target box is not covered by the saved chunks"})
+        trank = s.trank[qa:qb]
+        rank[qa:qb] = trank
+        np.add(i0, ca, out=ci[qa:qb])
+        _bytes(tc, np.minimum(td, np.take(ge, i0)), trb, np.take(delta, i0), start[qa:qb], stop[qa:qb])
+        multi = np.nonzero(count > 1)[0]
+        if not len(multi):
+            continue
+        extra = count[multi] - 1
+        e = int(extra.sum())
+        if k + e > len(rank):  # overlapping targets: more pieces than chunks
+            cap = max(2 * len(rank), k + e)
+            rank, ci, start, stop = (np.concatenate([a[:k], np.empty(cap - k, dtype=a.dtype)])
+                                     for a in (rank, ci, start, stop))
+        rep = np.repeat(multi, extra)
+        c = np.repeat(i0[multi] - (np.cumsum(extra) - extra) + 1, extra)
+        c += np.arange(e)
+        rank[k : k + e] = trank[rep]
+        np.add(c, ca, out=ci[k : k + e])
+        _bytes(gs[c], np.minimum(td[rep], ge[c]), trb[rep], delta[c], start[k : k + e], stop[k : k + e])
+        k += e
+    return rank[:k], ci[:k], start[:k], stop[:k]
 
 
 def _ends(gs: np.ndarray, tc: np.ndarray, td: np.ndarray, i0: np.ndarray) -> np.ndarray:
@@ -453,17 +627,84 @@ def _sum(at: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
     return np.rint(np.bincount(at, weights=nbytes, minlength=n)).astype(np.int64)
 
 
-def _units(key: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(key, return_inverse=True)``; by a dense table when ``span`` (one past
-    the largest key) is small enough, which is several times faster than sorting."""
+def _local_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld,
+                   holds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per range: its file, and its source where its reader's host holds the file
+    whole (else :data:`DURABLE`). And the bytes each host's ranks need (float64, exact
+    below 2**53: the caller checks). In batches, so that no temporary is as long as the plan."""
+    k, n_files, hosts = len(needs), holds.shape[1], holds.shape[0]
+    file = np.empty(k, dtype=np.int32)
+    source = np.empty(k, dtype=np.int32)
+    needed = np.zeros(hosts, dtype=np.float64)
+    flat = holds.ravel()
+    for a in range(0, k, _BATCH):
+        b = min(k, a + _BATCH)
+        d = np.take(world.host, needs.rank[a:b])
+        f = file[a:b]
+        f[:] = np.take(layout.file, needs.chunk[a:b])
+        src = source[a:b]
+        src.fill(DURABLE)
+        np.copyto(src, d, where=np.take(flat, _unit_keys(d, f, n_files)))
+        needed += np.bincount(d, weights=np.subtract(needs.stop[a:b], needs.start[a:b], dtype=np.float64),
+                              minlength=hosts)
+    return file, source, needed
+
+
+def _unit_keys(dst: np.ndarray, file: np.ndarray, n_files: int) -> np.ndarray:
+    """Each range's unit: ``reader host * files + file``."""
+    key = np.multiply(dst, n_files, dtype=np.intp)
+    key += file
+    return key
+
+
+#: Rows of a plan whose units are summed in one ``np.bincount`` by :func:`_by_unit`
+#: (each sum allocates a table of every (host, file) unit: few and large).
+_UNIT_BATCH = 1 << 22
+
+
+def _by_unit(world: NewWorld, rank: np.ndarray, file: np.ndarray, start: np.ndarray, stop: np.ndarray,
+             away: np.ndarray, source: np.ndarray, n_files: int, hosts: int,
+             choose: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    """Group the rows ``away`` by unit (reader host, file), sum their bytes per unit,
+    ``choose`` a source per unit (from the units, sorted, and their bytes), and set
+    every such row's ``source`` to its unit's, in place. By a dense table of the units
+    in batches of rows (no per-row key or inverse as long as the plan) when there are
+    few enough possible units, which is several times faster than sorting; else by
+    sorting the rows' keys."""
+    span = hosts * n_files
+    k = len(rank)
     if span > 1 << 26:
-        return np.unique(key, return_inverse=True)
-    seen = np.zeros(span, dtype=bool)
-    seen[key] = True
-    units = np.nonzero(seen)[0]
-    slot = np.zeros(span, dtype=np.int64)
-    slot[units] = np.arange(len(units))
-    return units, slot[key]
+        rows = np.nonzero(away)[0]
+        key = _unit_keys(np.take(world.host, rank[rows]), file[rows], n_files)
+        units, inverse = np.unique(key, return_inverse=True)
+        pick = choose(units, _sum(inverse, stop[rows] - start[rows], len(units)))
+        source[rows] = pick[inverse]
+        return
+    summed = np.zeros(span + 1, dtype=np.float64)
+    seen = np.zeros(span + 1, dtype=bool)
+
+    def keys(a: int, b: int) -> np.ndarray:  # rows a:b's units; span for the rows not away
+        key = _unit_keys(np.take(world.host, rank[a:b]), file[a:b], n_files)
+        key[~away[a:b]] = span
+        return key
+
+    for a in range(0, k, _UNIT_BATCH):
+        b = min(k, a + _UNIT_BATCH)
+        key = keys(a, b)
+        summed += np.bincount(key, weights=np.subtract(stop[a:b], start[a:b], dtype=np.float64), minlength=span + 1)
+        seen[key] = True
+    if summed[:span].sum() >= 1 << 53:
+        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
+    units = np.nonzero(seen[:span])[0]
+    del seen
+    pick = choose(units, np.rint(summed[units]).astype(np.int64))
+    del summed
+    table = np.empty(span + 1, dtype=pick.dtype)
+    table[units] = pick
+    for a in range(0, k, _UNIT_BATCH):
+        b = min(k, a + _UNIT_BATCH)
+        rows = away[a:b]
+        source[a:b][rows] = np.take(table, keys(a, b)[rows])
 
 
 def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, inventories: Sequence[Inventory],
@@ -489,24 +730,20 @@ def choose_sources(layout: SnapshotLayout, needs: Needs, world: NewWorld, invent
             holders[f].append(inv.host)
         for r in inv.ranges:
             ranges.setdefault((inv.host, r.file), []).append(r)
-    dst = world.host[needs.rank]
-    file = layout.file[needs.chunk]
-    source = np.full(len(needs), DURABLE, dtype=np.int32)
-    local = holds[dst, file]
-    source[local] = dst[local]
     start, stop = needs.start, needs.stop
-    needed = _sum(dst, stop - start, hosts)
+    file, source, needed_f = _local_sources(layout, needs, world, holds)
+    if needed_f.sum() >= 1 << 53:
+        raise PlanError({-1: "more than 2**53 bytes to restore in one plan"})
+    needed = np.rint(needed_f).astype(np.int64)
+    dst = world.host[needs.rank] if ranges else np.zeros(0, dtype=np.int32)
     if ranges:  # ranges a host holds itself
         _held_ranges(start, stop, dst, file, source, ranges, own=True)
-    away = np.nonzero(source == DURABLE)[0]
+    away = source == DURABLE
     if not holder_verifies:  # the reader verifies what it gets from elsewhere: whole blocks travel
         start, stop = start.copy(), stop.copy()
-        _round_out(layout, needs.chunk, away, start, stop)
-    key = dst[away].astype(np.int64) * n_files + file[away]
-    units, inverse = _units(key, hosts * n_files)
-    demand = _sum(inverse, stop[away] - start[away], len(units))
-    pick = _balance(units, demand, holders, n_files, hosts)
-    source[away] = pick[inverse]
+        _round_out(layout, needs.chunk, np.nonzero(away)[0], start, stop)
+    _by_unit(world, needs.rank, file, start, stop, away, source, n_files, hosts,
+             lambda units, demand: _balance(units, demand, holders, n_files, hosts))
     if ranges:  # ranges peers hold, for what no whole copy is left of
         _held_ranges(start, stop, dst, file, source, ranges, own=False)
     if holder_verifies:  # the durable root's bytes are checked by their reader

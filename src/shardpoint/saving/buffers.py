@@ -39,7 +39,7 @@ _ALIGN = 64
 
 def needs_pool(v: torch.Tensor) -> bool:
     """Whether the blocking save copies ``v`` through the pool (device memory)."""
-    return v.device.type != "cpu" or PROCESS.seams.force_pool
+    return not v.is_cpu or PROCESS.seams.force_pool
 
 
 def byte_view(v: torch.Tensor) -> torch.Tensor:
@@ -183,20 +183,36 @@ class Source:
         if self.copier is not None:
             yield from self.copier.pieces(self.index)
             return
-        t = self.tensor.detach()
+        t = self.tensor
         if t.numel():
-            yield byte_view(t).numpy().data.cast("B")
+            yield cpu_bytes(t)
+
+
+def cpu_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of CPU tensor ``t`` (not empty), in place: a contiguous tensor of a
+    dtype numpy has through one ``numpy()`` (a torch call, not the four of
+    :func:`byte_view`); any other (a view that needs a copy, bfloat16, a tensor
+    that requires grad or has its conjugate bit set) through :func:`byte_view`."""
+    if t.is_contiguous():
+        try:
+            return t.numpy().data.cast("B")
+        except (RuntimeError, TypeError):
+            pass
+    return byte_view(t).numpy().data.cast("B")
 
 
 def sources(views: Sequence[torch.Tensor], pool: Pool) -> list[Source]:
     """One :class:`Source` per view, in the order the writer consumes them: CPU views
     stream in place, device views (all of them through one :class:`Copier`) through
     ``pool``."""
-    dev = [v for v in views if needs_pool(v)]
+    pooled = [needs_pool(v) for v in views]
+    if not any(pooled):  # the common case on a CPU: every view streams in place
+        return [Source(v) for v in views]
+    dev = [v for v, p in zip(views, pooled) if p]
     copier = Copier(pool, dev) if dev else None
     out, j = [], 0
-    for v in views:
-        if needs_pool(v):
+    for v, p in zip(views, pooled):
+        if p:
             out.append(Source(v, copier, j))
             j += 1
         else:

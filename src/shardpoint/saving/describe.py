@@ -15,6 +15,7 @@ from ..errors import UnsupportedTypeError, UsageError
 from ..format.datafile import DTYPES, dtype_name
 from ..format.manifest import encode_value
 from ..layout import chunks_of
+from ..layout.local import Seen
 from ..tree import walk
 from .records import ChunkRows, Described, Encoded, TensorMeta
 
@@ -24,43 +25,48 @@ def describe(state: Any) -> Described:
     raises naming the key that cannot be saved."""
     w = walk(state)
     described: dict[str, Described] = {}
+    seen: Seen = {}  # DTensor specs met in this walk: a model's DTensors share a few
+    names: dict[torch.dtype, str] = {}  # the dtypes met, checked, with their names
     # per-rank values first: the top level's description holds theirs
     for pkey, sub in [*w.per_rank.items(), ("", w)]:
         values: dict[str, Encoded] = {}
         tensors: dict[str, TensorMeta] = {}
         rows = ChunkRows([], [], [])
+        keys, offsets, sizes = rows.keys, rows.offsets, rows.sizes
         views: list[torch.Tensor] = []
         for key, node in sub.leaves.items():
+            obj = node.obj
             if node.kind == "value":
                 try:
-                    values[key] = encode_value(node.obj)
+                    values[key] = encode_value(obj)
                 except TypeError:  # pragma: no cover - walk only lets plain values through
-                    raise UnsupportedTypeError(f"key {key!r}: cannot encode {type(node.obj).__name__}") from None
+                    raise UnsupportedTypeError(f"key {key!r}: cannot encode {type(obj).__name__}") from None
                 continue
-            if isinstance(node.obj, torch.Tensor):
-                _check_kind(key, node.obj)
-            if isinstance(node.obj, torch.Tensor) and node.obj.layout != torch.strided:
-                raise UnsupportedTypeError(
-                    f"key {key!r} is a {node.obj.layout} tensor; shardpoint saves dense (strided) tensors only. "
-                    "Save `t.to_dense()` instead, and make it sparse again after loading")
-            lc = chunks_of(key, node.obj)
-            if any(v.device.type == "meta" for v in lc.views):
-                raise UsageError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")
-            tensors[key] = {"dtype": dtype_name(lc.dtype), "shape": list(lc.shape), "numpy": lc.numpy}
-            for b, v in zip(lc.boxes, lc.views):
-                rows.keys.append(key)
-                rows.offsets.append(list(b.offsets))
-                rows.sizes.append(list(b.sizes))
-                views.append(v)
+            if isinstance(obj, torch.Tensor):
+                _check_kind(key, obj, names)
+            lc = chunks_of(key, obj, seen)
+            for v in lc.views:
+                if v.is_meta:
+                    raise UsageError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")
+            name = names.get(lc.dtype)
+            if name is None:
+                name = dtype_name(lc.dtype)
+            tensors[key] = {"dtype": name, "shape": list(lc.shape), "numpy": lc.numpy}
+            for b in lc.boxes:
+                keys.append(key)
+                offsets.append(list(b.offsets))
+                sizes.append(list(b.sizes))
+            views += lc.views
         per_rank = {} if pkey else described
         owners = () if pkey else tuple((k, o) for k, o in w.stateful if hasattr(o, "_shardpoint_health_role"))
         described[pkey] = Described(sub.containers, values, tensors, rows, views, dict(per_rank), owners)
     return described[""]
 
 
-def _check_kind(key: str, t: torch.Tensor) -> None:
+def _check_kind(key: str, t: torch.Tensor, names: dict[torch.dtype, str]) -> None:
     """Refuse, naming the key and what to save instead, the tensors the format has no
-    place for (found here, before anything is written, not as a damaged manifest later)."""
+    place for (found here, before anything is written, not as a damaged manifest later).
+    ``names``: the dtypes found good so far, with their names (one look-up a tensor)."""
     if t.is_nested:
         raise UnsupportedTypeError(f"key {key!r} is a nested tensor; shardpoint saves dense tensors. Save its "
                                    "pieces, `list(t.unbind())`, and nest them again after loading")
@@ -68,10 +74,18 @@ def _check_kind(key: str, t: torch.Tensor) -> None:
         raise UnsupportedTypeError(
             f"key {key!r} is a quantized tensor ({t.dtype}); save `t.int_repr()` with its scale and zero point "
             "(`t.q_scale()`, `t.q_zero_point()`), or `t.dequantize()`")
-    if dtype_name(t.dtype) not in DTYPES:
-        raise UnsupportedTypeError(f"key {key!r} has dtype {t.dtype}, which the checkpoint format does not hold "
-                                   f"(it holds {', '.join(sorted(DTYPES))}); convert it first, e.g. "
-                                   "`t.to(torch.complex64)` for complex32")
+    dtype = t.dtype
+    if dtype not in names:
+        name = dtype_name(dtype)
+        if name not in DTYPES:
+            raise UnsupportedTypeError(f"key {key!r} has dtype {dtype}, which the checkpoint format does not hold "
+                                       f"(it holds {', '.join(sorted(DTYPES))}); convert it first, e.g. "
+                                       "`t.to(torch.complex64)` for complex32")
+        names[dtype] = name
+    if t.layout != torch.strided:
+        raise UnsupportedTypeError(
+            f"key {key!r} is a {t.layout} tensor; shardpoint saves dense (strided) tensors only. "
+            "Save `t.to_dense()` instead, and make it sparse again after loading")
 
 
 def data_file(rank: int, save_id: str) -> str:

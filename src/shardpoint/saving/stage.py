@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..format.index import chunk_name
+from ..format.index import box_at, chunk_name
 from .buffers import block_crcs_of, check_versions, copy_into, mark, pool, staging, versions
 from .records import Assignment, Described, Staged
 
@@ -37,7 +37,14 @@ class Stage:
         mine = assignment.written_rows(n)
         rows = described.rows
         self.rows: list[int | None] = list(mine)
-        self.names = [chunk_name(rows.keys[i], rows.offsets[i]) for i in mine]
+        at: dict[tuple[int, ...], str] = {}  # a box's part of a name: a model's chunks share a few boxes
+        self.names = []
+        for i in mine:
+            off = tuple(rows.offsets[i])
+            a = at.get(off)
+            if a is None:
+                a = at[off] = box_at(off)
+            self.names.append(chunk_name(rows.keys[i], off, at=a))
         self.views = [described.views[i] for i in mine]
         # a per-rank chunk's key is what a message names
         self.keys = [rows.keys[i] for i in mine]

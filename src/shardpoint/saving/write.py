@@ -20,7 +20,7 @@ from ..format.index import Located, digest, index_bytes, index_name
 from ..health import FINITE, INF, NAN
 from ..runtime import PROCESS
 from ..storage import Storage
-from .buffers import Source, pool, sources
+from .buffers import Source, cpu_bytes, pool, sources
 from .coordinator import replica_digest
 from .incremental import Session
 from .records import IndexRecord, Staged, WriteStatus
@@ -117,19 +117,35 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, tor
 def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source], lengths: list[int]
                     ) -> tuple[list[WrittenChunk], dict[int, int]]:
     """:func:`write_data_file` of ``srcs`` (of ``lengths`` bytes) in the order given."""
-    chunks = list(zip(names, srcs))
     health = PROCESS.seams.health_check
     bad: dict[int, int] = {}
-    header = data_header([(n, src.dtype, tuple(src.shape), length) for (n, src), length in zip(chunks, lengths)])
+    tensors = [src.tensor for src in srcs]
+    dtypes = [t.dtype for t in tensors]
+    header = data_header([(n, dt, tuple(t.shape), length) for n, dt, t, length in zip(names, dtypes, tensors, lengths)])
     crcs: list[list[int]] = []
     block = datafile.CRC_BLOCK  # read at the call: tests shrink it
+    scanned = _scanned(dtypes) if health else None  # the dtypes whose values the health scan looks at
 
     def parts() -> Iterator[memoryview | bytes]:
         yield header
-        for j, ((cname, src), n) in enumerate(zip(chunks, lengths)):
+        for j, (src, n) in enumerate(zip(srcs, lengths)):
+            dtype = dtypes[j] if scanned is not None and dtypes[j] in scanned else None
+            if src.copier is None and n <= block:  # the common case: one piece in one CRC block, no generator
+                if not n:
+                    crcs.append([0])
+                    continue
+                piece = cpu_bytes(src.tensor)
+                if len(piece) != n:  # pragma: no cover - a source that lied about its size
+                    raise InternalError(f"chunk {names[j]!r}: {len(piece)} bytes streamed, {n} expected; this is a bug")
+                crcs.append([crc32(piece, 0)])
+                if dtype is not None:
+                    kind = _health(piece, dtype)
+                    if kind:
+                        bad[j] = kind
+                yield piece
+                continue
             these: list[int] = []
             crc, filled, seen = 0, 0, 0
-            dtype = src.dtype if health and (src.dtype.is_floating_point or src.dtype.is_complex) else None
             for view in src.pieces():
                 i = 0
                 while i < len(view):  # pieces cut at CRC block boundaries
@@ -149,7 +165,7 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
                         crc, filled = 0, 0
                 seen += len(view)
             if seen != n:  # pragma: no cover - a source that lied about its size
-                raise InternalError(f"chunk {cname!r}: {seen} bytes streamed, {n} expected; this is a bug")
+                raise InternalError(f"chunk {names[j]!r}: {seen} bytes streamed, {n} expected; this is a bug")
             if filled or not these:
                 these.append(crc)
             crcs.append(these)
@@ -161,6 +177,11 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
         out.append(WrittenChunk(off, n, c))
         off += n
     return out, bad
+
+
+def _scanned(dtypes: list[torch.dtype]) -> set[torch.dtype]:
+    """Of ``dtypes``, the floating-point and complex ones: those the health scan looks at."""
+    return {d for d in set(dtypes) if d.is_floating_point or d.is_complex}
 
 
 def _health(piece: memoryview, dtype: torch.dtype) -> int:
