@@ -22,7 +22,8 @@ from .errors import UnsupportedTypeError
 from .layout import FlatShard
 from .runtime import PROCESS
 
-__all__ = ["PerRank", "Stateful", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
+__all__ = ["PerRank", "Selection", "Stateful", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk",
+           "walk"]
 
 _INT = re.compile(r"^-?[0-9]+$")
 
@@ -118,6 +119,24 @@ def matches_prefix(key: str, prefixes: list[str] | tuple[str, ...]) -> bool:
         if p == "" or key == p or key.startswith(p + "/"):
             return True
     return False
+
+
+class Selection:
+    """The keys a load's ``only``/``exclude`` prefixes select (:func:`matches_prefix`);
+    called with a key, whether it is selected."""
+
+    __slots__ = ("everything", "exclude", "only")
+
+    def __init__(self, only: list[str] | str | None, exclude: list[str] | str | None) -> None:
+        self.only = [only] if isinstance(only, str) else only
+        self.exclude = [exclude] if isinstance(exclude, str) else exclude
+        #: Every key is selected (no ``only``, no ``exclude``).
+        self.everything = self.only is None and not self.exclude
+
+    def __call__(self, key: str) -> bool:
+        if self.only is not None and not matches_prefix(key, self.only):
+            return False
+        return not (self.exclude and matches_prefix(key, self.exclude))
 
 
 def is_stateful(obj: object) -> TypeGuard[Stateful]:
