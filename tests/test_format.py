@@ -429,6 +429,13 @@ HOSTILE_V2 = {
                  "'flat' ranges must follow each other"),
     "index record": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="x"), "'index' must be"),
     "index digest": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="0" * 64), "SHA-256"),
+    # refused by the typed decoder: the message still names the key (or file) and the field
+    "shape not ints": (lambda m: m["entries"]["w"].update(shape=[2, "3"]), r"entry 'w': 'shape\[1\]': Expected `int`, got `str`"),
+    "grid ranks field": (lambda m: m["entries"]["w"]["grid"].update(ranks={"first": 0, "step": 0, "x": 1}),
+                         r"entry 'w': 'grid.ranks': Object contains unknown field `x`"),
+    "file size": (lambda m: next(iter(m["files"].values())).update(size=True), r"files\['r00000-.*'\]: 'size': Expected `int`"),
+    "value not a list": (lambda m: m["entries"]["v"].update(value="5"), r"entry 'v': 'value': Expected `array`, got `str`"),
+    "checksum": (lambda m: m["checksum"].update(algorithm="md5"), r"'checksum.algorithm': Invalid enum value 'md5'"),
 }
 
 

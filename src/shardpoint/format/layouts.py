@@ -32,6 +32,8 @@ from .model import FlatRange, Grid, ListedChunk, RankStep, TensorEntry
 
 #: Most chunks one tensor entry may describe (a damaged manifest cannot ask for more).
 MAX_CELLS = 1 << 22
+#: Most elements a tensor entry's shape may have.
+MAX_NUMEL = 1 << 50
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
 
@@ -76,8 +78,9 @@ def layout_key(entry: TensorEntry, world_size: int) -> bytes | None:
 
 
 def check(entry: TensorEntry, world_size: int, key: bytes | None = None) -> str | None:
-    """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
-    pieces tile its shape exactly and every rank is one of the saving job's. ``key``:
+    """Why a version 2 tensor entry's shape or layout is malformed (None when they are
+    sound): the shape is of plausible size, the pieces tile it exactly and every rank
+    is one of the saving job's. ``key``:
     the entry's :func:`layout_key`, where the caller has it."""
     key = key or layout_key(entry, world_size)
     checked = PROCESS.layout_checks
@@ -93,6 +96,8 @@ def check(entry: TensorEntry, world_size: int, key: bytes | None = None) -> str 
 
 def _check(entry: TensorEntry, shape: list[int], world_size: int) -> str | None:
     numel = math.prod(shape)
+    if numel > MAX_NUMEL:
+        return f"shape {shape} is implausibly large"
     if (entry.grid is not None) + (entry.flat is not None) + (entry.chunks is not None) != 1:
         return "must have exactly one of 'grid', 'flat', 'chunks'"
 

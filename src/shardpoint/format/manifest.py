@@ -44,7 +44,6 @@ FORMAT_VERSION = 2
 UNSEALED_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CONTAINER_TYPES = ("dict", "list", "tuple")
-_MAX_NUMEL = 1 << 50
 #: Longest integer key segment: far below Python's int/str conversion limit (at least 640 digits).
 _MAX_INT_DIGITS = 600
 _INT_SEG = re.compile(r"^-?[0-9]+$")
@@ -320,7 +319,7 @@ def _explain(body: bytes, err: msgspec.ValidationError, sealed: bool, where: str
         if why is not None:
             if why[0].startswith("index"):
                 return bad(f"files[{name!r}]: 'index' must be {{'name', 'size', 'sha256'}} ({why[0]}: {why[1]})")
-            return bad(f"files[{name!r}]: {why[0]}: {why[1]}")
+            return bad(f"files[{name!r}]: '{why[0]}': {why[1]}")
     if isinstance(raw.get("containers"), dict) and isinstance(raw.get("entries"), dict):
         found = _tree_problem(raw["containers"], raw["entries"])
         if found is not None:
@@ -363,7 +362,7 @@ def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], key: str 
                     return found
         why = _why(e, Entry)
         if why is not None:
-            return f"entry {k!r}: {why[0]}: {why[1]}"
+            return f"entry {k!r}: '{why[0]}': {why[1]}"
     return None
 
 
@@ -426,15 +425,15 @@ def _check_tensor(key: str, e: TensorEntry, files: dict[str, DataFile], block: i
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
     if e.numpy and dtype in _NOT_NUMPY:
         raise bad(f"entry {key!r}: 'numpy' must be true or false, and numpy has no {dtype}")
-    numel = math.prod(shape)
-    if numel > _MAX_NUMEL:
-        raise bad(f"entry {key!r}: shape {shape} is implausibly large")
-    if version >= 2:
+    if version >= 2:  # the shape's size and the layout, checked once per layout (layouts.check)
         layout = layouts.layout_key(e, ws)
         why = layouts.check(e, ws, layout)
         if why is not None:
             raise bad(f"entry {key!r}: {why}")
         return layout
+    numel = math.prod(shape)
+    if numel > layouts.MAX_NUMEL:
+        raise bad(f"entry {key!r}: shape {shape} is implausibly large")
     chunks = e.chunks
     if chunks is None:
         raise bad(f"entry {key!r}: 'chunks' is not a list")
@@ -471,30 +470,46 @@ def _check_keys(containers: Mapping[str, str], entries: Mapping[str, object], ba
     (``under``)."""
     for k in entries.keys() & containers.keys():
         raise bad(f"key {k!r} is both a leaf and a container")
-    inside = None if under is None or under == "" else under + "/"
-    for k in (*containers, *entries):
+    keys = [*containers, *entries]
+    for k in keys:
         if len(k) > _MAX_INT_DIGITS:  # only a key this long can hold a segment this long
             for seg in k.split("/"):
                 if len(seg) > _MAX_INT_DIGITS and _INT_SEG.match(seg):
                     raise bad(f"key {k[:80]!r}...: an integer segment of {len(seg)} digits")
-        if inside is not None and k != under and not k.startswith(inside):
-            raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
-        if k == "":
-            continue
-        # each parent ("" and every prefix up to a "/") and the segment below it, nearest
-        # first; a parent that is a container is a key of its own, whose parents its own
-        # turn checks, so the walk up stops there
-        end = len(k)
-        while True:
-            cut = k.rfind("/", 0, end)
-            parent = k[:cut] if cut > 0 else ""
-            if parent in entries:
-                raise bad(f"key {k!r} lies under the leaf {parent!r}")
-            kind = containers.get(parent)
-            if kind == "list" or kind == "tuple":
-                seg = k[cut + 1 : end]
-                if not (seg.isascii() and seg.isdigit()):
-                    raise bad(f"key {k!r}: a {kind} is indexed by {seg!r}, not by an integer")
-            if kind is not None or cut < 0:
-                break
-            end = cut
+    if under is not None and under != "":
+        inside = under + "/"
+        for k in keys:
+            if k != under and not k.startswith(inside):
+                raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
+    # each key's parent and its segment below it, in C-speed comprehensions (a load checks
+    # every key); a parent that is no container of its own is walked up from (:func:`_check_up`)
+    parts = [k.rpartition("/") for k in keys if k != ""]
+    parents = {p for p, _, _ in parts}
+    for p in parents & entries.keys():
+        raise bad(f"key {next(k for k in keys if k.rpartition('/')[0] == p)!r} lies under the leaf {p!r}")
+    for p, _, seg in [t for t in parts if containers.get(t[0]) in ("list", "tuple")]:
+        if not (seg.isascii() and seg.isdigit()):
+            raise bad(f"key {p + '/' + seg if p else seg!r}: a {containers[p]} is indexed by {seg!r}, not by an integer")
+    for p in parents:
+        if p not in containers:
+            _check_up(p, containers, entries, bad)
+
+
+def _check_up(k: str, containers: Mapping[str, str], entries: Mapping[str, object], bad: _Bad) -> None:
+    """The parents of ``k`` (a key's parent that is no container itself) up to the
+    nearest container: none is a leaf, and a list or tuple among them is indexed by
+    an integer."""
+    end = len(k)
+    while True:
+        cut = k.rfind("/", 0, end)
+        parent = k[:cut] if cut > 0 else ""
+        if parent in entries:
+            raise bad(f"key {k!r} lies under the leaf {parent!r}")
+        kind = containers.get(parent)
+        if kind == "list" or kind == "tuple":
+            seg = k[cut + 1 : end]
+            if not (seg.isascii() and seg.isdigit()):
+                raise bad(f"key {k!r}: a {kind} is indexed by {seg!r}, not by an integer")
+        if kind is not None or cut < 0:
+            break
+        end = cut
