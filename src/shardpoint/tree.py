@@ -160,6 +160,8 @@ class Node(msgspec.Struct):
     obj: Any = None  # Any: the walked object of any kind above, used by the load as its kind says
     children: dict[str | int, Node] = msgspec.field(default_factory=dict)
     inner: Node | None = None
+    key: str = ""
+    """Its encoded key (a later pass over the nodes need not join the segments again)."""
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ def walk(state: object, prefix: str = "") -> Walk:
 
 def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
     if isinstance(obj, (torch.Tensor, FlatShard, np.ndarray)):  # the commonest first (a PerRank is none of them)
-        n = Node("tensor", obj=obj)
+        n = Node("tensor", obj, key=key)
         w.leaves[key] = n
         return n
     if isinstance(obj, PerRank):
@@ -194,15 +196,15 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         sub = Walk(root=Node("dict"))
         sub.root = _walk(obj.value, key, sub, in_per_rank=True)
         w.per_rank[key] = sub
-        return Node("per_rank", obj=obj, inner=sub.root)
+        return Node("per_rank", obj, inner=sub.root, key=key)
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, _PLAIN):
-        n = Node("value", obj=obj)
+        n = Node("value", obj, key=key)
         w.leaves[key] = n
         return n
     if isinstance(obj, Mapping):
-        n = Node("dict", obj=obj)
+        n = Node("dict", obj, key=key)
         w.containers[key] = "dict"
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -214,7 +216,7 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         return n
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
-        n = Node(kind, obj=obj)
+        n = Node(kind, obj, key=key)
         w.containers[key] = kind
         for i, v in enumerate(obj):
             n.children[i] = _walk(v, join(key, i), w, in_per_rank)
@@ -224,7 +226,7 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
             raise UnsupportedTypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
-        return Node("stateful", obj=obj, inner=_walk(sd, key, w, in_per_rank))
+        return Node("stateful", obj, inner=_walk(sd, key, w, in_per_rank), key=key)
     raise UnsupportedTypeError(
         f"key {key or '<root>'!r} holds a {type(obj).__module__}.{type(obj).__name__}, which shardpoint cannot save: "
         "use tensors, numpy arrays, None/bool/int/float/str/bytes, dicts, lists, tuples, or an object "

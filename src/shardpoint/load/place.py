@@ -252,7 +252,7 @@ class TreeLoad:
             obj = node.obj
             items = []
             for seg, child in node.children.items():
-                v = self.fill(child, join(key, seg))
+                v = self.fill(child, child.key)
                 items.append(v)
                 if k != "tuple" and obj[seg] is not v:
                     obj[seg] = v
