@@ -67,12 +67,15 @@ class TensorSpec(msgspec.Struct, frozen=True, gc=False):
     """The manifest's entry (already checked)."""
     layout: bytes | None = None
     """Its layout's :func:`~.layouts.layout_key` (tensors of one layout share their expanded chunks)."""
+    torch_dtype: torch.dtype | None = None
+    """The torch dtype, where this torch has it (:attr:`dtype` raises otherwise)."""
 
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype (raises :class:`~shardpoint.CorruptCheckpointError` naming the key
         when this torch lacks it: only a load that needs the key fails)."""
-        return dtype_from_name(self.dtype_name, key=self.key)
+        d = self.torch_dtype
+        return d if d is not None else dtype_from_name(self.dtype_name, key=self.key)
 
     @property
     def listed(self) -> bool:

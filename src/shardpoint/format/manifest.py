@@ -30,7 +30,7 @@ import msgspec
 from ..errors import CorruptCheckpointError, UnsupportedTypeError
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
-from .datafile import DTYPES, ITEMSIZES, crc_count
+from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
 from .digest import is_sealed, seal, unseal
 from .index import is_count
 from .model import ContainerType, DataFile, Document, Entry, PerRankEntry, TensorEntry, TreeDoc, ValueEntry
@@ -400,7 +400,8 @@ def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry],
             assert isinstance(e, TensorEntry)
             layout = _check_tensor(key, e, files, block, bad, ws, version)
             name = e.dtype
-            tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e.shape), e.numpy, version, e, layout)
+            tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e.shape), e.numpy, version, e, layout,
+                                      TORCH_DTYPES.get(name))
         elif t is ValueEntry:
             assert isinstance(e, ValueEntry)
             values[key] = decode_value(e.value, where=f"entry {key!r}")

@@ -186,12 +186,11 @@ _RUN_MAX = 512
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, as a flat memoryview."""
-    if t.dim():
-        try:
-            return t.numpy().data.cast("B")
-        except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes as uint8
-            pass
-    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    try:
+        a = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes as uint8
+        return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    return (a.reshape(1) if not a.ndim else a).data.cast("B")
 
 
 @dataclass(slots=True)
