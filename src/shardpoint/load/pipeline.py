@@ -68,15 +68,16 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions) -
     try:
         manifest = read_manifest(storage)
         report.world_size = manifest.world_size
-        top, found = _prepare(state, manifest, select, report, options.strict, comm.rank, hooks)
-        found.record(report)
+        top = _prepare(state, manifest, select, report, comm.rank, hooks)
+        found = _check(top, options.strict, report)
         holds = _holds(top, manifest)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
     verdict = start_agree(comm, holds, err, functools.partial(_held_anywhere, storage=storage))
     # while the ranks exchange, plan the reads of this rank's own tensors (that changes nothing)
-    ahead = _plan_ahead(top, found, manifest, storage) if err is None and top is not None and found is not None \
-        and manifest is not None else None
+    ahead = None
+    if err is None and top is not None and found is not None and manifest is not None:
+        ahead = _plan_ahead(top, found, manifest, storage)
     merged = verdict()
     assert top is not None and manifest is not None and ahead is not None
     held = _keys_of(merged, manifest)
@@ -118,17 +119,22 @@ def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> 
     return build(value)
 
 
-def _prepare(state: Any, manifest: Manifest, select: Selection, report: LoadReport, strict: bool, rank: int,
-             hooks: LoadHooks) -> tuple[TreeLoad, KeyCheck]:
-    """The owners' prepare hooks, the walk of the local state and the key check (what
-    it found is the caller's to record)."""
+def _prepare(state: Any, manifest: Manifest, select: Selection, report: LoadReport, rank: int,
+             hooks: LoadHooks) -> TreeLoad:
+    """The owners' prepare hooks and the walk of the local state."""
     try:
         w = hooks.prepare(state, manifest.tree.entries, select)
     except TypeError as e:  # the walk names the key that cannot be saved
         raise ShardpointError(str(e)) from None
     _check_patterns(select, manifest.tree.entries.keys() | w.leaves.keys() | w.per_rank.keys())
-    top = TreeLoad(w, manifest.tree, select, report, rank=rank)
-    return top, top.check(strict)
+    return TreeLoad(w, manifest.tree, select, report, rank=rank)
+
+
+def _check(top: TreeLoad, strict: bool, report: LoadReport) -> KeyCheck:
+    """The key check (keys and shapes; nothing is modified), its findings reported."""
+    found = top.check(strict)
+    found.record(report)
+    return found
 
 
 def _check_patterns(select: Selection, keys: Collection[str]) -> None:
