@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from shardpoint.format.manifest import MANIFEST_NAME
+from shardpoint.format.model import DataFile, IndexFile
 from shardpoint.tiers.hosts import Hosts, drain_parts, rank_files, redrain_parts, replica_plan, restore_plan
 from shardpoint.tiers.shm import JobArea
 from tests._dist import run_ranks
@@ -36,10 +37,9 @@ def test_replicas_never_land_on_their_own_host() -> None:
     assert Hosts.of(["a", "a"]).targets(0, 1) == []
 
 
-def files(world: int, sid: str = "s1", size: int = 100) -> dict[str, Any]:
+def files(world: int, sid: str = "s1", size: int = 100) -> dict[str, DataFile]:
     """A manifest's ``files`` table: one data file and its index per rank."""
-    return {f"r{r:05d}-{sid}.safetensors": {"size": size + r, "rank": r,
-                                            "index": {"name": f"r{r:05d}-{sid}.index.json", "size": 10, "sha256": f"h{r}"}}
+    return {f"r{r:05d}-{sid}.safetensors": DataFile(size + r, r, IndexFile(f"r{r:05d}-{sid}.index.json", 10, f"h{r}"))
             for r in range(world)}
 
 

@@ -472,9 +472,9 @@ def _check_keys(containers: Mapping[str, str], entries: Mapping[str, object], ba
     for k in entries.keys() & containers.keys():
         raise bad(f"key {k!r} is both a leaf and a container")
     keys = [*containers, *entries]
-    for k in keys:
-        if len(k) > _MAX_INT_DIGITS:  # only a key this long can hold a segment this long
-            for seg in k.split("/"):
+    if max(map(len, keys), default=0) > _MAX_INT_DIGITS:  # only a key this long can hold a segment this long
+        for k in keys:
+            for seg in k.split("/") if len(k) > _MAX_INT_DIGITS else ():
                 if len(seg) > _MAX_INT_DIGITS and _INT_SEG.match(seg):
                     raise bad(f"key {k[:80]!r}...: an integer segment of {len(seg)} digits")
     if under is not None and under != "":
@@ -485,10 +485,11 @@ def _check_keys(containers: Mapping[str, str], entries: Mapping[str, object], ba
     # each key's parent and its segment below it, in C-speed comprehensions (a load checks
     # every key); a parent that is no container of its own is walked up from (:func:`_check_up`)
     parts = [k.rpartition("/") for k in keys if k != ""]
-    parents = {p for p, _, _ in parts}
+    parents = {t[0] for t in parts}
     for p in parents & entries.keys():
         raise bad(f"key {next(k for k in keys if k.rpartition('/')[0] == p)!r} lies under the leaf {p!r}")
-    for p, _, seg in [t for t in parts if containers.get(t[0]) in ("list", "tuple")]:
+    sequences = {c for c, kind in containers.items() if kind != "dict"}
+    for p, _, seg in [t for t in parts if t[0] in sequences] if sequences & parents else ():
         if not (seg.isascii() and seg.isdigit()):
             raise bad(f"key {p + '/' + seg if p else seg!r}: a {containers[p]} is indexed by {seg!r}, not by an integer")
     for p in parents:
