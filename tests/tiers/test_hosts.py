@@ -56,8 +56,8 @@ def test_replication_sends_the_state_times_replicas() -> None:
 
 
 def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> dict[str, Any]:
-    need = {n: s for n, s in ((n, e["size"]) for n, e in files(world, sid).items())}
-    need.update({e["index"]["name"]: 10 for e in files(world, sid).values()})
+    need = {n: e.size for n, e in files(world, sid).items()}
+    need.update({e.index.name: 10 for e in files(world, sid).values() if e.index is not None})
     return {str(step): {"save_id": sid if man else None, "healthy": True, "nonfinite": [], "manifest": 500 if man else None,
                         "need": need if man else None, "sha": {}, "have": {n: [s, rel] for n, (s, rel) in have.items()}}}
 
