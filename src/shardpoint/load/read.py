@@ -49,9 +49,10 @@ def io_threads(storage: Storage) -> int:
 _PIECE = 8 << 20
 
 
-class Target(NamedTuple):
+class Target(msgspec.Struct, frozen=True, gc=False):
     """A tensor to fill: its saved description and the views that hold this rank's
-    boxes of it (a created tensor's one view is the whole of it)."""
+    boxes of it (a created tensor's one view is the whole of it). A
+    :class:`msgspec.Struct` (made in C): a load makes one per tensor."""
 
     spec: TensorSpec
     boxes: list[Box]
