@@ -188,9 +188,9 @@ def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
     which of its keys this rank's state holds ("" for all of them, else a bitmap over
     the sorted keys, as hex)."""
     local = top.walk.leaves.keys() | top.walk.per_rank.keys()
-    names = sorted(manifest.tree.entries)
-    if all(k in local for k in names):
+    if manifest.tree.entries.keys() <= local:
         return [manifest.save_id, ""]
+    names = sorted(manifest.tree.entries)
     bits = bytearray((len(names) + 7) // 8)
     for i, k in enumerate(names):
         if k in local:
@@ -220,9 +220,9 @@ def _held_anywhere(everyone: list[Any], storage: Storage) -> str:
 
 def _keys_of(held: str, manifest: Manifest) -> set[str]:
     """The checkpoint keys a merged bitmap of :func:`_held_anywhere` names."""
-    names = sorted(manifest.tree.entries)
     if held == "":
-        return set(names)
+        return set(manifest.tree.entries)
+    names = sorted(manifest.tree.entries)
     bits = bytes.fromhex(held)
     return {k for i, k in enumerate(names) if bits[i >> 3] >> (i & 7) & 1}
 
