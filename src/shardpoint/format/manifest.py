@@ -342,8 +342,10 @@ def _why(value: object, typ: Any) -> tuple[str, str] | None:
     return None
 
 
-def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], key: str = "") -> str | None:
-    """What is wrong in a (sub)tree the typed decoder refused, naming the key."""
+def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], depth: int = 0) -> str | None:
+    """What is wrong in a (sub)tree the typed decoder refused, naming the key (a
+    per-rank value's sub-trees one level down; a per-rank value inside one is refused
+    as the parse refuses it, however deep a hostile manifest nests them)."""
     for k, v in containers.items():
         if v not in CONTAINER_TYPES:
             return f"container {k!r} has unknown type {v!r}"
@@ -353,12 +355,14 @@ def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], key: str 
         kind = e.get("kind")
         if kind not in ("tensor", "value", "per_rank"):
             return f"entry {k!r} has unknown kind {kind!r}"
+        if kind == "per_rank" and depth > 0:
+            return f"entry {k!r} has unknown kind 'per_rank' (a per-rank value inside a per-rank value)"
         if kind == "per_rank" and isinstance(e.get("ranks"), dict):
             for r, sub in e["ranks"].items():
                 if not isinstance(sub, dict) or not isinstance(sub.get("containers"), dict) \
                         or not isinstance(sub.get("entries"), dict):
                     return f"entry {k!r}: rank {r!r}: 'containers' and 'entries' must be objects"
-                found = _tree_problem(sub["containers"], sub["entries"])
+                found = _tree_problem(sub["containers"], sub["entries"], depth + 1)
                 if found is not None:
                     return found
         why = _why(e, Entry)
