@@ -68,8 +68,11 @@ def _save(rank: int, world: int, path: str) -> None:
 PHASES = [
     ("manifest parse", "read_manifest"),
     ("walk and key check", "_prepare"),
+    ("walk and key check", "_check"),  # the key check, apart from the walk since issue 34 item 4
     ("read planning, own tensors", "_plan_ahead"),
     ("read planning, read, place", "_read_and_fill"),
+    ("read planning, read, place", "_plan_rest"),  # issue 32 item 1 split _read_and_fill in two
+    ("read planning, read, place", "_read"),
 ]
 
 
@@ -173,7 +176,7 @@ def main() -> int:
         print(f"a load without its reads: {int(got.group(1)) / args.loads / 1e6:.2f} M instructions")
     if parts:
         over = parts.pop("overhead", 0)
-        for name, _attr in PHASES:
+        for name in dict.fromkeys(name for name, _attr in PHASES):
             if name in parts:
                 print(f"  {name}: {(parts[name] - over) / args.loads / 1e6:.2f} M")
     return 0

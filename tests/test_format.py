@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch
 import shardpoint
 from shardpoint import CorruptCheckpointError
 from shardpoint.format import manifest as mf
+from shardpoint.format.model import TensorEntry
 from shardpoint.layout import FlatShard
 from tests.failure._util import sealed
 
@@ -427,6 +429,13 @@ HOSTILE_V2 = {
                  "'flat' ranges must follow each other"),
     "index record": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="x"), "'index' must be"),
     "index digest": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="0" * 64), "SHA-256"),
+    # refused by the typed decoder: the message still names the key (or file) and the field
+    "shape not ints": (lambda m: m["entries"]["w"].update(shape=[2, "3"]), r"entry 'w': 'shape\[1\]': Expected `int`, got `str`"),
+    "grid ranks field": (lambda m: m["entries"]["w"]["grid"].update(ranks={"first": 0, "step": 0, "x": 1}),
+                         r"entry 'w': 'grid.ranks': Object contains unknown field `x`"),
+    "file size": (lambda m: next(iter(m["files"].values())).update(size=True), r"files\['r00000-.*'\]: 'size': Expected `int`"),
+    "value not a list": (lambda m: m["entries"]["v"].update(value="5"), r"entry 'v': 'value': Expected `array`, got `str`"),
+    "checksum": (lambda m: m["checksum"].update(algorithm="md5"), r"'checksum.algorithm': Invalid enum value 'md5'"),
 }
 
 
@@ -555,9 +564,10 @@ def _encode_expand(shape: tuple, boxes: list, ranks: list) -> tuple[dict, list]:
     nd = len(shape)
     offs = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
     sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
-    enc = layouts.encode(shape, offs, sizes, np.array(ranks, dtype=np.int64))
-    entry = {"kind": "tensor", "dtype": "float32", "shape": list(shape), **json.loads(json.dumps(enc))}
-    assert layouts.check(entry, list(shape), 64) is None, entry
+    enc = json.loads(json.dumps(msgspec.to_builtins(layouts.encode(shape, offs, sizes, np.array(ranks, dtype=np.int64)))))
+    doc = {"kind": "tensor", "dtype": "float32", "shape": list(shape), **enc}
+    entry = msgspec.json.decode(json.dumps(doc), type=TensorEntry)  # as a load reads it back
+    assert layouts.check(entry, 64) is None, entry
     return enc, sorted((tuple(o), tuple(s), r) for o, s, r in layouts.expand(entry, shape))
 
 
@@ -680,7 +690,7 @@ def test_the_same_state_is_written_byte_for_byte_as_before_but_aligned(tmp_path:
     a, b = (mf.Manifest.parse((d / "manifest.json").read_bytes()) for d in (V2, out))
     assert a.version == b.version == 2 and a.world_size == b.world_size
     assert a.tree.containers == b.tree.containers and a.tree.entries == b.tree.entries
-    assert sorted(f["size"] for f in b.files.values()) == sorted(len(new[r]) for r in new)
+    assert sorted(f.size for f in b.files.values()) == sorted(len(new[r]) for r in new)
 
 
 # --- aligned data files (issue 34): chunks of whole 64-byte lines start at 64-byte offsets ------

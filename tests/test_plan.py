@@ -427,6 +427,35 @@ def test_plan_reads_covers_targets_exactly(data) -> None:  # type: ignore[no-unt
         assert sorted(got[ti]) == sorted(cells(t)), f"target {t} not covered exactly once"
 
 
+@SETTINGS
+@given(st.data())
+def test_plan_reads_in_arrays_plans_what_box_by_box_plans(data) -> None:  # type: ignore[no-untyped-def]
+    from shardpoint.plan import read as plan_read
+
+    shape = data.draw(shapes)
+    saved = data.draw(tiling(shape))
+    targets = data.draw(st.one_of(tiling(shape), st.lists(box_in(shape), min_size=1, max_size=4)))
+    old = plan_read.ARRAY_MIN
+    try:
+        plan_read.ARRAY_MIN = 1 << 30
+        by_box = plan_reads(saved, targets)
+        plan_read.ARRAY_MIN = 1
+        assert plan_reads(saved, targets) == by_box
+    finally:
+        plan_read.ARRAY_MIN = old
+
+
+def test_plan_reads_many_chunks_into_a_few_targets() -> None:
+    # Shard(0) over 1,024 saving ranks, read by 3 ranks (rows cut where no saved chunk is)
+    saved = [Box((4 * r, 0), (4, 6)) for r in range(1024)]
+    targets = [Box((0, 0), (1366, 6)), Box((1366, 0), (1365, 6)), Box((2731, 0), (1365, 6))]
+    ops = plan_reads(saved, targets)
+    assert [sum(op.region.numel for op in ops if op.target == t) for t in range(3)] == [b.numel for b in targets]
+    first = [op for op in ops if op.target == 1][0]  # row 1366 lies in the chunk of rows 1364..1367
+    assert first.source == 341 and first.region == Box((1366, 0), (2, 6)) and (first.first, first.last) == (12, 24)
+    assert len(ops) == 1024 + 2  # two chunks are cut between two targets
+
+
 def test_plan_reads_raises_on_uncovered_target() -> None:
     with pytest.raises(ValueError, match="only partly covered"):
         plan_reads([Box((0,), (3,))], [Box((0,), (5,))])

@@ -12,6 +12,7 @@ from .format.chunks import ChunkLoc
 from .format.datafile import ALIGN, HeaderEntry, file_order, header_bytes, header_length, parse_header
 from .format.index import Located, digest, index_name
 from .format.manifest import MANIFEST_NAME
+from .format.model import DataFile, IndexFile
 from .load.locate import read_index, read_manifest, with_refs
 from .load.read import read_verified
 from .saving.commit import commit_checkpoint, exists_error
@@ -59,7 +60,7 @@ def _export(src: Storage, dst: Storage, overwrite: bool, advance: Callable[[int]
         return
     reader = with_refs(src, m)
     headers: dict[str, dict[str, HeaderEntry]] = {}
-    files: dict[str, dict[str, object]] = {}
+    files: dict[str, DataFile] = {}
     for fname, info in sorted(m.files.items()):
         idx = read_index(src, m, fname)
         order = sorted(idx.items(), key=lambda kv: (kv[1].ref or "", kv[1].offset))
@@ -84,8 +85,7 @@ def _export(src: Storage, dst: Storage, overwrite: bool, advance: Callable[[int]
                                separators=(",", ":")).encode()
         iname = index_name(fname)
         dst.write_file(iname, [idx_bytes])
-        files[fname] = {**info, "size": dst.size(fname),
-                        "index": {"name": iname, "size": len(idx_bytes), "sha256": digest(idx_bytes)}}
+        files[fname] = DataFile(dst.size(fname), info.rank, IndexFile(iname, len(idx_bytes), digest(idx_bytes)))
     m.files, m.refs = files, {}
     m._by_rank = None
     commit_checkpoint(dst, m, replace=overwrite, what="the export")

@@ -16,6 +16,7 @@ import torch
 
 from .errors import KeyMismatchError
 from .format.datafile import dtype_from_name
+from .format.model import Entry, TensorEntry
 from .tree import decode_key, join
 
 __all__ = [
@@ -23,8 +24,6 @@ __all__ = [
     "state_value",
 ]
 
-#: One manifest entry, as parsed from its JSON (``kind``, ``shape``, ``dtype``, ...).
-Entry = Mapping[str, Any]
 #: The manifest's entries by key (relative to the owner's root).
 Entries = Mapping[str, Entry]
 
@@ -104,10 +103,10 @@ def zeros_like_entry(key: str, e: Entry, like: torch.Tensor | None) -> torch.Ten
     out like ``like`` (its parameter, or the flat partition it lives in) when the
     shapes agree, else a CPU tensor of the saved shape (Adam's scalar ``step``); the
     saved dtype either way. A plain value becomes ``None``, set when the load fills it."""
-    if e["kind"] != "tensor":
+    if not isinstance(e, TensorEntry):
         return None
-    dtype = dtype_from_name(e["dtype"], key=key)
-    shape = tuple(e["shape"])
+    dtype = dtype_from_name(e.dtype, key=key)
+    shape = tuple(e.shape)
     if like is not None and shape == tuple(like.shape):
         return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format).detach()
     return torch.zeros(shape, dtype=dtype)

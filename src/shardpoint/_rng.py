@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ._optim import Entries
+from .format.model import PerRankEntry
 from .report import LoadReport
 from .tree import PerRank
 
@@ -94,9 +95,9 @@ class RngStreams:
         """A checkpoint saved without RNG streams (``rng=False``, or converted from
         DeepSpeed's files) leaves this rank's streams alone instead of failing a strict load."""
         self._absent = not any(k == "rng" or k.startswith("rng/") for k in entries)
-        per_rank = entries.get("rng/streams", {}).get("ranks", {}) if not self._absent else {}
-        self._no_cuda = not any(k.startswith("rng/streams/cuda") for sub in per_rank.values()
-                                for k in sub.get("entries", {}))
+        e = entries.get("rng/streams") if not self._absent else None
+        per_rank = e.ranks if isinstance(e, PerRankEntry) else {}
+        self._no_cuda = not any(k.startswith("rng/streams/cuda") for sub in per_rank.values() for k in sub.entries)
 
     def apply(self, rng: object) -> None:
         """Set this rank's saved streams, or (a rank new since the save) its current

@@ -89,8 +89,9 @@ class Adapter:
 
     def prepare_load(self, entries: Entries, select: Select) -> list[str]:
         """Before a load: create the state the checkpoint has and the owner lacks.
-        ``entries`` are the manifest's entries keyed as :meth:`state` keys them;
-        returns the keys whose state was created."""
+        ``entries`` are the manifest's entries (typed records:
+        :class:`~shardpoint.format.model.TensorEntry` and the others) keyed as
+        :meth:`state` keys them; returns the keys whose state was created."""
         return []
 
     def apply(self, sd: Mapping[str, object]) -> None:

@@ -12,7 +12,8 @@ import torch
 
 from .collective import Comm
 from .errors import UsageError
-from .format.manifest import PlainValue, decode_value
+from .format.manifest import PlainValue
+from .format.model import TensorEntry, ValueEntry
 from .load.locate import read_manifest
 from .load.pipeline import LoadOptions, load_state, read_whole
 from .report import LoadReport, SaveStats
@@ -166,14 +167,14 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -
     values: dict[str, PlainValue] = {}
     per_rank: dict[str, list[int]] = {}
     for k, e in sorted(m.tree.entries.items()):
-        if e["kind"] == "tensor":
+        if isinstance(e, TensorEntry):
             spec = m.tree.tensors[k]
             tensors[k] = TensorInfo(spec.shape, spec.dtype, tuple((c.box.offsets, c.box.sizes) for c in spec.chunks()),
                                     spec.nbytes)
-        elif e["kind"] == "value":
-            values[k] = decode_value(e["value"], where=k)
+        elif isinstance(e, ValueEntry):
+            values[k] = m.tree.values[k]
         else:
-            per_rank[k] = sorted(int(r) for r in e["ranks"])
+            per_rank[k] = sorted(m.tree.per_rank[k])
     return Metadata(
         world_size=m.world_size, created=datetime.fromtimestamp(m.created, tz=timezone.utc), version=m.version,
         tensors=tensors, values=values, per_rank=per_rank, nbytes=m.own_bytes(), referenced=m.referenced_bytes(),

@@ -22,7 +22,8 @@ from .errors import UnsupportedTypeError
 from .layout import FlatShard
 from .runtime import PROCESS
 
-__all__ = ["PerRank", "Stateful", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk", "walk"]
+__all__ = ["PerRank", "Selection", "Stateful", "encode_key", "decode_key", "join", "is_stateful", "matches_prefix", "Walk",
+           "walk"]
 
 _INT = re.compile(r"^-?[0-9]+$")
 
@@ -120,6 +121,24 @@ def matches_prefix(key: str, prefixes: list[str] | tuple[str, ...]) -> bool:
     return False
 
 
+class Selection:
+    """The keys a load's ``only``/``exclude`` prefixes select (:func:`matches_prefix`);
+    called with a key, whether it is selected."""
+
+    __slots__ = ("everything", "exclude", "only")
+
+    def __init__(self, only: list[str] | str | None, exclude: list[str] | str | None) -> None:
+        self.only = [only] if isinstance(only, str) else only
+        self.exclude = [exclude] if isinstance(exclude, str) else exclude
+        #: Every key is selected (no ``only``, no ``exclude``).
+        self.everything = self.only is None and not self.exclude
+
+    def __call__(self, key: str) -> bool:
+        if self.only is not None and not matches_prefix(key, self.only):
+            return False
+        return not (self.exclude and matches_prefix(key, self.exclude))
+
+
 def is_stateful(obj: object) -> TypeGuard[Stateful]:
     """Whether ``obj`` follows the Stateful protocol (``state_dict``/``load_state_dict``)."""
     return (
@@ -141,6 +160,8 @@ class Node(msgspec.Struct):
     obj: Any = None  # Any: the walked object of any kind above, used by the load as its kind says
     children: dict[str | int, Node] = msgspec.field(default_factory=dict)
     inner: Node | None = None
+    key: str = ""
+    """Its encoded key (a later pass over the nodes need not join the segments again)."""
 
 
 @dataclass(slots=True)
@@ -166,7 +187,7 @@ def walk(state: object, prefix: str = "") -> Walk:
 
 def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
     if isinstance(obj, (torch.Tensor, FlatShard, np.ndarray)):  # the commonest first (a PerRank is none of them)
-        n = Node("tensor", obj=obj)
+        n = Node("tensor", obj, key=key)
         w.leaves[key] = n
         return n
     if isinstance(obj, PerRank):
@@ -175,15 +196,15 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         sub = Walk(root=Node("dict"))
         sub.root = _walk(obj.value, key, sub, in_per_rank=True)
         w.per_rank[key] = sub
-        return Node("per_rank", obj=obj, inner=sub.root)
+        return Node("per_rank", obj, inner=sub.root, key=key)
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, _PLAIN):
-        n = Node("value", obj=obj)
+        n = Node("value", obj, key=key)
         w.leaves[key] = n
         return n
     if isinstance(obj, Mapping):
-        n = Node("dict", obj=obj)
+        n = Node("dict", obj, key=key)
         w.containers[key] = "dict"
         for k, v in obj.items():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -195,7 +216,7 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         return n
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
-        n = Node(kind, obj=obj)
+        n = Node(kind, obj, key=key)
         w.containers[key] = kind
         for i, v in enumerate(obj):
             n.children[i] = _walk(v, join(key, i), w, in_per_rank)
@@ -205,7 +226,7 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
             raise UnsupportedTypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
-        return Node("stateful", obj=obj, inner=_walk(sd, key, w, in_per_rank))
+        return Node("stateful", obj, inner=_walk(sd, key, w, in_per_rank), key=key)
     raise UnsupportedTypeError(
         f"key {key or '<root>'!r} holds a {type(obj).__module__}.{type(obj).__name__}, which shardpoint cannot save: "
         "use tensors, numpy arrays, None/bool/int/float/str/bytes, dicts, lists, tuples, or an object "

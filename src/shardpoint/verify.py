@@ -24,6 +24,7 @@ from .format.chunks import ChunkLoc, TensorSpec
 from .format.datafile import header_length, parse_header
 from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest
+from .format.model import PerRankEntry, TensorEntry
 from .health import HealthRule
 from .load.locate import Locator, read_manifest
 from .load.read import io_threads, read_verified
@@ -228,7 +229,7 @@ def _resolve(locator: Locator, m: Manifest, res: VerifyResult) -> list[_Tensor]:
         try:
             locs = [locator.locate(spec, c, rank is not None, check_length=False) for c in spec.chunks()]
         except CorruptCheckpointError as err:
-            index = next((f["index"]["name"] for f in m.files.values() if f.get("index", {}).get("name", "") in str(err)),
+            index = next((f.index.name for f in m.files.values() if f.index is not None and f.index.name in str(err)),
                          MANIFEST_NAME)
             res.problems.append(Problem(file=index, key=key, rank=rank, reason=str(err)))
             locs = None
@@ -239,9 +240,9 @@ def _resolve(locator: Locator, m: Manifest, res: VerifyResult) -> list[_Tensor]:
 def _tensor_entries(m: Manifest) -> Iterator[tuple[int | None, TensorSpec]]:
     """Every tensor entry, top-level (rank None) and of each rank's per-rank values, in the manifest's order."""
     for key, e in m.tree.entries.items():
-        if e["kind"] == "tensor":
+        if isinstance(e, TensorEntry):
             yield None, m.tree.tensors[key]
-        elif e["kind"] == "per_rank":
+        elif isinstance(e, PerRankEntry):
             for r, sub in sorted(m.tree.per_rank[key].items()):
                 for spec in sub.tensors.values():
                     yield r, spec
@@ -255,8 +256,8 @@ def _check_files(storage: Storage, m: Manifest, res: VerifyResult, resolved: lis
     for t in resolved:
         for loc in t.locs or []:
             spans.setdefault(loc.file, []).append((loc.offset, loc.offset + loc.length, t.spec.key, t.rank))
-    for name, info in sorted([*m.files.items(), *m.refs.items()]):
-        want = info["size"]
+    listed = [(n, f.size) for n, f in m.files.items()] + [(n, r["size"]) for n, r in m.refs.items()]
+    for name, want in sorted(listed):
         try:
             size = storage.size(name)
         except FileNotFoundError:

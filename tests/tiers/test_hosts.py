@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 
 from shardpoint.format.manifest import MANIFEST_NAME
+from shardpoint.format.model import DataFile, IndexFile
 from shardpoint.tiers.hosts import (
     HostInventory,
     Hosts,
@@ -46,10 +46,9 @@ def test_replicas_never_land_on_their_own_host() -> None:
     assert Hosts.of(["a", "a"]).targets(0, 1) == []
 
 
-def files(world: int, sid: str = "s1", size: int = 100) -> dict[str, Any]:
+def files(world: int, sid: str = "s1", size: int = 100) -> dict[str, DataFile]:
     """A manifest's ``files`` table: one data file and its index per rank."""
-    return {f"r{r:05d}-{sid}.safetensors": {"size": size + r, "rank": r,
-                                            "index": {"name": f"r{r:05d}-{sid}.index.json", "size": 10, "sha256": f"h{r}"}}
+    return {f"r{r:05d}-{sid}.safetensors": DataFile(size + r, r, IndexFile(f"r{r:05d}-{sid}.index.json", 10, f"h{r}"))
             for r in range(world)}
 
 
@@ -66,8 +65,8 @@ def test_replication_sends_the_state_times_replicas() -> None:
 
 
 def inventory(step: int, sid: str, man: bool, have: dict[str, tuple[int, str]], world: int = 4) -> HostInventory:
-    need = {n: s for n, s in ((n, e["size"]) for n, e in files(world, sid).items())}
-    need.update({e["index"]["name"]: 10 for e in files(world, sid).values()})
+    need = {n: e.size for n, e in files(world, sid).items()}
+    need.update({e.index.name: 10 for e in files(world, sid).values() if e.index is not None})
     if not man:
         return {str(step): StepHolding(have=dict(have))}
     return {str(step): StepHolding(save_id=sid, manifest=500, need=need, data=sorted(files(world, sid)), have=dict(have))}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import msgspec
 import torch
@@ -22,6 +22,7 @@ from ..runtime import PROCESS
 from .boxes import Box
 from .datafile import dtype_from_name
 from .layouts import MEMO_MAX, expand
+from .model import ListedChunk, TensorEntry
 
 
 class ChunkLoc(msgspec.Struct, frozen=True, order=True, gc=False):
@@ -62,30 +63,33 @@ class TensorSpec(msgspec.Struct, frozen=True, gc=False):
     """Saved from a numpy array (restore it as one)."""
     version: int
     """The manifest's format version (how ``entry`` describes the chunks)."""
-    entry: dict[str, Any]
-    """The manifest's entry as parsed from JSON (already checked)."""
+    entry: TensorEntry
+    """The manifest's entry (already checked)."""
     layout: bytes | None = None
     """Its layout's :func:`~.layouts.layout_key` (tensors of one layout share their expanded chunks)."""
+    torch_dtype: torch.dtype | None = None
+    """The torch dtype, where this torch has it (:attr:`dtype` raises otherwise)."""
 
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype (raises :class:`~shardpoint.CorruptCheckpointError` naming the key
         when this torch lacks it: only a load that needs the key fails)."""
-        return dtype_from_name(self.dtype_name, key=self.key)
+        d = self.torch_dtype
+        return d if d is not None else dtype_from_name(self.dtype_name, key=self.key)
 
     @property
     def listed(self) -> bool:
         """The chunks are listed one by one (version 1, or the ``chunks`` layout): that
         they tile the tensor without overlap is checked where they are read, not
         implied by the layout."""
-        return self.version < 2 or "chunks" in self.entry
+        return self.version < 2 or self.entry.chunks is not None
 
     def chunks(self) -> tuple[SavedChunk, ...]:
         """Every chunk the tensor was saved in, in the manifest's order."""
         e = self.entry
         if self.version < 2:  # every chunk listed with its place
-            return tuple(SavedChunk(Box(tuple(c["offsets"]), tuple(c["sizes"])), -1,
-                                    ChunkLoc(c["file"], c["offset"], c["length"], c["crc32"])) for c in e["chunks"])
+            assert e.chunks is not None  # checked by the parse
+            return tuple(SavedChunk(Box(tuple(c.offsets), tuple(c.sizes)), -1, _placed(c)) for c in e.chunks)
         key = self.layout
         # layouts already expanded, by layout text (runtime.PROCESS: immutable tuples of SavedChunk, shared)
         memo = PROCESS.layout_chunks
@@ -102,3 +106,9 @@ class TensorSpec(msgspec.Struct, frozen=True, gc=False):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
+
+
+def _placed(c: ListedChunk) -> ChunkLoc:
+    """Where a version 1 chunk's bytes lie (the parse checked that it says)."""
+    assert c.file is not None and c.offset is not None and c.length is not None and c.crc32 is not None
+    return ChunkLoc(c.file, c.offset, c.length, c.crc32)

@@ -57,7 +57,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 #: The manifest's dtype names that this torch has, with their torch dtypes.
-_TORCH_DTYPES: dict[str, torch.dtype] = {
+TORCH_DTYPES: dict[str, torch.dtype] = {
     n: d for n in DTYPES if isinstance(d := getattr(torch, n, None), torch.dtype)
 }
 
@@ -66,7 +66,7 @@ def dtype_from_name(name: str, key: str | None = None) -> torch.dtype:
     """The torch dtype for a manifest dtype name. Raises
     :class:`~shardpoint.CorruptCheckpointError` naming ``key`` (where the caller knows
     it) for a name shardpoint does not know or this torch does not have."""
-    dtype = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    dtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         where = f"key {key!r}" if key is not None else "a tensor of the checkpoint"
         why = f"this torch {torch.__version__} lacks" if name in DTYPES else "shardpoint does not know"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, NamedTuple, TypeGuard
 
@@ -20,12 +19,10 @@ import msgspec
 from ..errors import CorruptCheckpointError
 from .chunks import ChunkLoc
 from .datafile import WrittenChunk, crc_count
+from .model import COUNT_LIMIT, IndexFile
 
 INDEX_FORMAT = "shardpoint-index"
-#: Offsets, lengths and other counts in an index or a manifest lie below this.
-COUNT_LIMIT = 1 << 62
 _CRC_LIMIT = 1 << 32
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def index_name(data_file: str) -> str:
@@ -178,7 +175,7 @@ class Index:
         return out
 
 
-def parse_index(data: bytes, *, data_file: str, expect: Mapping[str, Any], file_size: int, block: int,
+def parse_index(data: bytes, *, data_file: str, expect: IndexFile, file_size: int, block: int,
                 where: str, refs: Mapping[str, Mapping[str, int]] | None = None) -> Index:
     """Check an index's bytes against the manifest's record (size and SHA-256) before
     parsing anything, then its structure; each entry (offsets inside the data file,
@@ -191,7 +188,7 @@ def parse_index(data: bytes, *, data_file: str, expect: Mapping[str, Any], file_
         )
 
     data = bytes(data)
-    if len(data) != expect["size"] or digest(data) != expect["sha256"]:
+    if len(data) != expect.size or digest(data) != expect.sha256:
         raise bad(f"its SHA-256 or size ({len(data)} bytes) differs from what the manifest committed")
     doc: _Plain | _Any
     try:
@@ -208,12 +205,6 @@ def parse_index(data: bytes, *, data_file: str, expect: Mapping[str, Any], file_
     if doc.format != INDEX_FORMAT or doc.file != data_file:
         raise bad(f"not the index of {data_file}")
     return Index(doc.chunks, data_file, file_size, block, refs or {}, bad)
-
-
-def check_record(rec: Any) -> bool:
-    """Whether a manifest's record of an index (``{"name", "size", "sha256"}``) is well formed."""
-    return (isinstance(rec, dict) and isinstance(rec.get("name"), str) and is_count(rec.get("size"))
-            and isinstance(rec.get("sha256"), str) and bool(_SHA256.match(rec["sha256"])))
 
 
 def is_count(x: object) -> TypeGuard[int]:

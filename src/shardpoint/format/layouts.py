@@ -22,29 +22,29 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
 
 from ..runtime import PROCESS
 from .boxes import flat_range_boxes, grid_cells
+from .model import FlatRange, Grid, ListedChunk, RankStep, TensorEntry
 
 #: Most chunks one tensor entry may describe (a damaged manifest cannot ask for more).
 MAX_CELLS = 1 << 22
+#: Most elements a tensor entry's shape may have.
+MAX_NUMEL = 1 << 50
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
 
 
-def _cuts_of(spec: object, n: int) -> list[int] | None:
+def _cuts_of(spec: int | list[int], n: int) -> list[int] | None:
     """The cut points of one dimension of size ``n`` (None if ``spec`` is malformed)."""
-    if isinstance(spec, int) and not isinstance(spec, bool):
+    if isinstance(spec, int):
         if spec < 1 or n < 1 or -(-n // spec) > MAX_CELLS:
             return None
         return list(range(0, n, spec)) + [n]
-    if isinstance(spec, list) and 2 <= len(spec) <= MAX_CELLS + 1 and all(
-            isinstance(c, int) and not isinstance(c, bool) for c in spec):
+    if 2 <= len(spec) <= MAX_CELLS + 1:
         if spec[0] != 0 or spec[-1] != n or any(b <= a for a, b in zip(spec, spec[1:])):
             return None
         return spec
@@ -59,24 +59,34 @@ MEMO_MAX = 1 << 14
 _KEY = msgspec.json.Encoder()
 
 
-def layout_key(entry: Mapping[str, object], shape: Sequence[int], world_size: int) -> bytes | None:
+class Layout(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """A tensor entry's layout alone (what :func:`encode` makes; a save puts it into
+    its :class:`~.model.TensorEntry`): exactly one of the three is set."""
+
+    grid: Grid | None = None
+    flat: list[FlatRange] | None = None
+    chunks: list[ListedChunk] | None = None
+
+
+def layout_key(entry: TensorEntry, world_size: int) -> bytes | None:
     """Bytes that equal grid or flat layouts (of equal shapes, in jobs of ``world_size``)
     share, to remember work on one; None for a chunk list (rarely shared). Encoded in
     C (msgspec): a load makes one per tensor entry."""
-    if "chunks" in entry:
+    if entry.chunks is not None:
         return None
-    return _KEY.encode(("grid" in entry, "flat" in entry, shape, entry.get("grid"), entry.get("flat"), world_size))
+    return _KEY.encode((entry.grid, entry.flat, entry.shape, world_size))
 
 
-def check(entry: Mapping[str, object], shape: list[int], world_size: int, key: bytes | None = None) -> str | None:
-    """Why a version 2 tensor entry's layout is malformed (None when it is sound): the
-    pieces tile ``shape`` exactly and every rank is one of the saving job's. ``key``:
+def check(entry: TensorEntry, world_size: int, key: bytes | None = None) -> str | None:
+    """Why a version 2 tensor entry's shape or layout is malformed (None when they are
+    sound): the shape is of plausible size, the pieces tile it exactly and every rank
+    is one of the saving job's. ``key``:
     the entry's :func:`layout_key`, where the caller has it."""
-    key = key or layout_key(entry, shape, world_size)
+    key = key or layout_key(entry, world_size)
     checked = PROCESS.layout_checks
     if key is not None and key in checked:
         return checked[key]
-    why = _check(entry, shape, world_size)
+    why = _check(entry, entry.shape, world_size)
     if key is not None:
         if len(checked) >= MEMO_MAX:
             checked.clear()
@@ -84,66 +94,61 @@ def check(entry: Mapping[str, object], shape: list[int], world_size: int, key: b
     return why
 
 
-def _check(entry: Mapping[str, object], shape: list[int], world_size: int) -> str | None:
+def _check(entry: TensorEntry, shape: list[int], world_size: int) -> str | None:
     numel = math.prod(shape)
-    forms = [f for f in ("grid", "flat", "chunks") if f in entry]
-    if len(forms) != 1:
+    if numel > MAX_NUMEL:
+        return f"shape {shape} is implausibly large"
+    if (entry.grid is not None) + (entry.flat is not None) + (entry.chunks is not None) != 1:
         return "must have exactly one of 'grid', 'flat', 'chunks'"
 
-    def is_rank(r: object) -> bool:
-        return isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size
+    def is_rank(r: int | None) -> bool:
+        return r is not None and 0 <= r < world_size
 
-    if "grid" in entry:
-        g = entry["grid"]
-        if not isinstance(g, dict) or not isinstance(g.get("cuts"), list) or len(g["cuts"]) != len(shape):
+    if entry.grid is not None:
+        g = entry.grid
+        if len(g.cuts) != len(shape):
             return "'grid' must be {'cuts': [one per dimension], 'ranks': ...}"
         if numel == 0:
             return "a tensor with no elements has no grid"
         cells = 1
-        for spec, n in zip(g["cuts"], shape):
+        for spec, n in zip(g.cuts, shape):
             cuts = _cuts_of(spec, n)
             if cuts is None:
                 return f"grid cuts {str(spec)[:60]} do not split a dimension of size {n}"
             cells *= len(cuts) - 1
             if cells > MAX_CELLS:
                 return "the grid has implausibly many cells"
-        ranks = g.get("ranks")
-        if isinstance(ranks, dict):
-            a, b = ranks.get("first"), ranks.get("step")
-            if set(ranks) != {"first", "step"} or not isinstance(a, int) or not is_rank(a) or not isinstance(b, int) \
-                    or isinstance(b, bool) or not is_rank(a + b * (cells - 1)):
+        ranks = g.ranks
+        if isinstance(ranks, RankStep):
+            if not is_rank(ranks.first) or not is_rank(ranks.first + ranks.step * (cells - 1)):
                 return "grid 'ranks' must be {'first': rank, 'step': int} naming ranks of the saving job"
-        elif not (isinstance(ranks, list) and len(ranks) == cells and all(is_rank(r) for r in ranks)):
+        elif not (len(ranks) == cells and all(is_rank(r) for r in ranks)):
             return f"grid 'ranks' must list {cells} ranks of the saving job"
         return None
-    if "flat" in entry:
-        f = entry["flat"]
-        if not isinstance(f, list) or not 1 <= len(f) <= MAX_CELLS:
+    if entry.flat is not None:
+        f = entry.flat
+        if not 1 <= len(f) <= MAX_CELLS:
             return "'flat' must be a non-empty list of [start, stop, rank]"
         pos = 0
         for r in f:
-            if not (isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
-                return "'flat' must be a list of [start, stop, rank]"
             if r[0] != pos or r[1] <= r[0] or not is_rank(r[2]):
                 return "'flat' ranges must follow each other from 0 and name ranks of the saving job"
             pos = r[1]
         if pos != numel:
             return f"'flat' ranges cover {pos} elements, the shape {shape} has {numel}"
         return None
-    chunks = entry["chunks"]
-    if not isinstance(chunks, list) or len(chunks) > MAX_CELLS:
+    chunks = entry.chunks
+    assert chunks is not None
+    if len(chunks) > MAX_CELLS:
         return "'chunks' is not a list"
     covered = 0
     for c in chunks:
-        if not isinstance(c, dict):
-            return "a chunk is not an object"
-        off, size = c.get("offsets"), c.get("sizes")
-        if not (isinstance(off, list) and isinstance(size, list) and len(off) == len(size) == len(shape)):
+        off, size = c.offsets, c.sizes
+        if not len(off) == len(size) == len(shape):
             return "chunk offsets/sizes do not match the shape's rank"
-        if not all(isinstance(o, int) and isinstance(s, int) and not isinstance(o, bool) and not isinstance(s, bool)
-                   and 0 <= o and 0 < s and o + s <= d for o, s, d in zip(off, size, shape)):
+        if not all(0 <= o and 0 < s and o + s <= d for o, s, d in zip(off, size, shape)):
             return f"a chunk lies outside the shape {shape}"
-        if not is_rank(c.get("rank")):
+        if not is_rank(c.rank):
             return "a chunk's 'rank' is not a rank of the saving job"
         covered += math.prod(size)
     if covered != numel:
@@ -151,25 +156,27 @@ def _check(entry: Mapping[str, object], shape: list[int], world_size: int) -> st
     return None
 
 
-def expand(entry: dict[str, Any], shape: tuple[int, ...]) -> list[Chunk]:
+def expand(entry: TensorEntry, shape: tuple[int, ...]) -> list[Chunk]:
     """Every chunk of a version 2 tensor entry (already :func:`check` ed), in order."""
-    if "chunks" in entry:
-        return [(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"]) for c in entry["chunks"]]
-    if "flat" in entry:
+    if entry.chunks is not None:
+        return [(tuple(c.offsets), tuple(c.sizes), c.rank if c.rank is not None else -1) for c in entry.chunks]
+    if entry.flat is not None:
         out: list[Chunk] = []
-        for start, stop, rank in entry["flat"]:
+        for start, stop, rank in entry.flat:
             out += [(b.offsets, b.sizes, rank) for b in flat_range_boxes(shape, start, stop)]
         return out
-    g = entry["grid"]
+    g = entry.grid
+    assert g is not None  # check() accepted the entry
     pieces = []
-    for spec, n in zip(g["cuts"], shape):
+    for spec, n in zip(g.cuts, shape):
         cuts = _cuts_of(spec, n)
-        assert cuts is not None  # check() accepted the entry
+        assert cuts is not None
         pieces.append([(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])])
-    ranks = g["ranks"]
-    if isinstance(ranks, dict):
-        first, step = ranks["first"], ranks["step"]
-        rank_list: list[int] | range = range(first, first + step * math.prod(len(p) for p in pieces), step) \
+    ranks = g.ranks
+    rank_list: list[int] | range
+    if isinstance(ranks, RankStep):
+        first, step = ranks.first, ranks.step
+        rank_list = range(first, first + step * math.prod(len(p) for p in pieces), step) \
             if step else [first] * math.prod(len(p) for p in pieces)
     else:
         rank_list = ranks
@@ -177,26 +184,26 @@ def expand(entry: dict[str, Any], shape: tuple[int, ...]) -> list[Chunk]:
             for cell, r in zip(itertools.product(*pieces), rank_list, strict=True)]
 
 
-def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, object]:
+def encode(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> Layout:
     """The most compact description of a tensor's saved (non-empty) chunks: ``grid``
     when they are the cells of a grid, ``flat`` when each is a row-major range,
     else the chunk list. ``offsets``/``sizes`` are (m, ndim) arrays, ``ranks`` (m,)."""
     m, nd = offsets.shape[0], len(shape)
     if m == 0:
-        return {"chunks": []}
+        return Layout(chunks=[])
     offsets, sizes = offsets[:, :nd], sizes[:, :nd]
     grid = _grid(offsets, sizes, ranks)
     if grid is not None:
-        return {"grid": grid}
+        return Layout(grid=grid)
     if nd > 1:
         flat = _flat(shape, offsets, sizes, ranks)
         if flat is not None:
-            return {"flat": flat}
+            return Layout(flat=flat)
     order = np.lexsort(offsets.T[::-1]) if nd else np.arange(m)
-    return {"chunks": [{"offsets": offsets[i].tolist(), "sizes": sizes[i].tolist(), "rank": int(ranks[i])} for i in order]}
+    return Layout(chunks=[ListedChunk(offsets[i].tolist(), sizes[i].tolist(), int(ranks[i])) for i in order])
 
 
-def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str, object] | None:
+def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> Grid | None:
     m, nd = offsets.shape
     grid = grid_cells(offsets, sizes)
     if grid is None:
@@ -212,16 +219,16 @@ def _grid(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> dict[str
             specs.append(c0)
         else:
             specs.append(cuts[d].tolist())
-    rs: list[int] | dict[str, int]
+    rs: list[int] | RankStep
     if m == 1:
         rs = [int(rank_of_cell[0])]
     else:
         st = np.diff(rank_of_cell)
-        rs = {"first": int(rank_of_cell[0]), "step": int(st[0])} if np.all(st == st[0]) else rank_of_cell.tolist()
-    return {"cuts": specs, "ranks": rs}
+        rs = RankStep(int(rank_of_cell[0]), int(st[0])) if np.all(st == st[0]) else rank_of_cell.tolist()
+    return Grid(specs, rs)
 
 
-def _flat(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> list[list[int]] | None:
+def _flat(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray) -> list[FlatRange] | None:
     """Ranges of the flattening, when every rank's boxes are what ``flat_range_boxes``
     makes of one range (a ZeRO partition)."""
     strides = np.array([math.prod(shape[d + 1:]) for d in range(len(shape))], dtype=np.int64)
@@ -245,5 +252,5 @@ def _flat(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray, ranks:
             i = order[k]
             if tuple(offsets[i].tolist()) != box.offsets or tuple(sizes[i].tolist()) != box.sizes:
                 return None
-        out.append([lo, hi, int(r[a])])
+        out.append((lo, hi, int(r[a])))
     return out

@@ -23,16 +23,17 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
 from ..errors import CorruptCheckpointError, UnsupportedTypeError
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
-from .datafile import DTYPES, ITEMSIZES, crc_count
+from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
 from .digest import is_sealed, seal, unseal
-from .index import COUNT_LIMIT, check_record, is_count
+from .index import is_count
+from .model import ContainerType, DataFile, Document, Entry, PerRankEntry, TensorEntry, TreeDoc, ValueEntry
 from .names import check_name
 from .refs import split_ref
 
@@ -43,8 +44,6 @@ FORMAT_VERSION = 2
 UNSEALED_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CONTAINER_TYPES = ("dict", "list", "tuple")
-_MAX_DIMS = 64
-_MAX_NUMEL = 1 << 50
 #: Longest integer key segment: far below Python's int/str conversion limit (at least 640 digits).
 _MAX_INT_DIGITS = 600
 _INT_SEG = re.compile(r"^-?[0-9]+$")
@@ -110,8 +109,8 @@ class Tree:
     relative to the tree's root (the root container has key ``""``)."""
 
     containers: dict[str, str] = field(default_factory=dict)
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Each leaf's entry as JSON (what a writer builds and the owners' load hooks read)."""
+    entries: dict[str, Entry] = field(default_factory=dict)
+    """Each leaf's entry (what a writer builds and the owners' load hooks read)."""
     # what parsing makes of ``entries``, the same for every format version:
     tensors: dict[str, TensorSpec] = field(default_factory=dict)
     """The tensor entries, typed."""
@@ -120,8 +119,9 @@ class Tree:
     per_rank: dict[str, dict[int, Tree]] = field(default_factory=dict)
     """Each per-rank value's sub-tree of each saving rank that held it."""
 
-    def to_json(self) -> dict[str, object]:
-        return {"containers": self.containers, "entries": self.entries}
+    def doc(self) -> TreeDoc:
+        """The tree as written (a per-rank value's sub-tree in its entry)."""
+        return TreeDoc(self.containers, self.entries)  # type: ignore[arg-type]  # container types checked where parsed
 
 
 @dataclass(slots=True)
@@ -133,7 +133,7 @@ class Manifest:
     created: float
     save_id: str
     tree: Tree
-    files: dict[str, dict[str, Any]]
+    files: dict[str, DataFile]
     crc_block: int
     library_version: str = ""
     version: int = FORMAT_VERSION
@@ -159,7 +159,7 @@ class Manifest:
         """The data file the saving rank ``rank`` wrote (version 2), or None."""
         m = self._by_rank
         if m is None:
-            m = self._by_rank = {int(f["rank"]): name for name, f in self.files.items() if "rank" in f}
+            m = self._by_rank = {f.rank: name for name, f in self.files.items() if f.rank is not None}
         return m.get(rank)
 
     def file_end(self, chunk: SavedChunk, key: str) -> tuple[str, int]:
@@ -173,18 +173,18 @@ class Manifest:
                 f"key {key!r}: the manifest places a chunk in the file of rank {chunk.rank}, which it does not list; "
                 f"the manifest is damaged. {DAMAGED_FIX}"
             )
-        return f, int(self.files[f]["size"])
+        return f, self.files[f].size
 
     def stored_files(self) -> list[str]:
         """Every file the checkpoint consists of besides the manifest: data files and
         (version 2) their indexes."""
         out = list(self.files)
-        out += [f["index"]["name"] for f in self.files.values() if isinstance(f.get("index"), dict)]
+        out += [f.index.name for f in self.files.values() if f.index is not None]
         return out
 
     def own_bytes(self) -> int:
         """Bytes of the checkpoint's own data files."""
-        return sum(f["size"] for f in self.files.values())
+        return sum(f.size for f in self.files.values())
 
     def referenced_bytes(self) -> int:
         """Bytes of the chunks it stores by reference in other checkpoints' data files."""
@@ -213,7 +213,9 @@ class Manifest:
                 health["roles"] = {k: self.roles.get(k, "state") for k in self.nonfinite}
             health["metrics"] = {k: _number_out(v) for k, v in sorted(self.metrics.items())}
             doc["health"] = health
-        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+        # written by the json module as every save before wrote them, each record made JSON values in C
+        # as the encoder meets it (a default hook: a whole-document to_builtins first costs twice as much)
+        return seal(json.dumps(doc, default=msgspec.to_builtins, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
     def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:
@@ -232,78 +234,141 @@ class Manifest:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
 
         try:
-            # the writer emits strict UTF-8 JSON: no other encoding, no NaN/Infinity literals
-            doc = _JSON.decode(body)  # in C; no NaN/Infinity literals, numbers beyond a double refused
+            # in C: strict UTF-8 JSON (no NaN/Infinity literals, no number beyond a double), every
+            # field's type and range, each entry's kind (docs/format.md); what no schema says, below
+            doc = _DOC.decode(body)
+        except msgspec.ValidationError as e:
+            raise _explain(body, e, sealed, where, bad) from None
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             raise bad(f"not valid JSON ({e})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise bad("missing 'format': 'shardpoint'")
-        version = doc.get("version")
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise bad("'version' is not an integer")
-        if version > FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"{where}: format version {version} is newer than this shardpoint reads ({FORMAT_VERSION}); "
-                "upgrade shardpoint to load this checkpoint"
-            )
-        if not sealed and (version != UNSEALED_VERSION or "seal" in doc):
-            raise CorruptCheckpointError(
-                f"{where}: has no valid seal, which a version-{version} manifest must have (only version "
-                f"{UNSEALED_VERSION} has none): the file is damaged and nothing in it was used. {DAMAGED_FIX}"
-            )
-        ws = doc.get("world_size")
-        if not isinstance(ws, int) or isinstance(ws, bool) or not 1 <= ws <= 1 << 24:
-            raise bad("'world_size' is not a positive integer")
-        ck = doc.get("checksum")
-        if not isinstance(ck, dict) or ck.get("algorithm") != "crc32":
-            raise bad("'checksum' must be {'algorithm': 'crc32', 'block_size': N}")
-        block = ck.get("block_size")
-        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 40:
-            raise bad("'checksum.block_size' is not a positive integer")
-        files = doc.get("files")
-        if not isinstance(files, dict):
-            raise bad("'files' is not an object")
+        _check_head(doc.format, doc.version, doc.seal is not None, sealed, where, bad)
+        version, ws, block, files = doc.version, doc.world_size, doc.checksum.block_size, doc.files
         ranks_seen: set[int] = set()
         for name, info in files.items():
             check_name(name)
-            if not isinstance(info, dict) or not is_count(info.get("size")):
-                raise bad(f"files[{name!r}] has no valid 'size'")
             if version >= 2:
-                r = info.get("rank")
-                if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < ws or r in ranks_seen:
+                r = info.rank
+                if r is None or not 0 <= r < ws or r in ranks_seen:
                     raise bad(f"files[{name!r}]: 'rank' is not a rank of the saving job, or two files name one rank")
                 ranks_seen.add(r)
-                if not check_record(info.get("index")):
+                if info.index is None:
                     raise bad(f"files[{name!r}]: 'index' must be {{'name', 'size', 'sha256'}}")
-                check_name(info["index"]["name"])
-        created = doc.get("created", 0.0)
-        if not isinstance(created, (int, float)) or isinstance(created, bool):
-            raise bad("'created' is not a number")
+                check_name(info.index.name)
+        created = doc.created
         try:
             datetime.fromtimestamp(created, tz=timezone.utc)
         except (OverflowError, ValueError, OSError):
             raise bad(f"'created' ({created!r}) is not a time") from None
-        refs = doc.get("refs", {})
-        if version < 2 and "refs" in doc:
+        refs = doc.refs
+        if version < 2 and refs:
             raise bad("'refs' needs format version 2")
-        if not isinstance(refs, dict):
-            raise bad("'refs' is not an object")
-        for name, info in refs.items():
+        for name, ref in refs.items():
             split_ref(name, where=where)
-            if not isinstance(info, dict) or not is_count(info.get("size")) or not is_count(info.get("bytes", 0)):
+            if "size" not in ref:
                 raise bad(f"refs[{name!r}] has no valid 'size' (and optional 'bytes')")
-        nonfinite, nan, roles, metrics = _parse_health(doc.get("health"), bad)
-        tree = _parse_tree(doc, files, block, bad, ws, depth=0, version=version)
+        nonfinite, nan, roles, metrics = _parse_health(doc, bad)
+        tree = _parse_tree(doc.containers, doc.entries, files, block, bad, ws, depth=0, version=version)
         return cls(
-            world_size=ws, created=float(created), save_id=str(doc.get("save_id", "")), tree=tree,
-            files=files, crc_block=block, library_version=str(doc.get("library_version", "")), version=version,
-            sealed=sealed, refs=refs, nonfinite=nonfinite, nan=nan, roles=roles, metrics=metrics,
+            world_size=ws, created=float(created), save_id=doc.save_id, tree=tree, files=files, crc_block=block,
+            library_version=doc.library_version, version=version, sealed=sealed, refs=refs, nonfinite=nonfinite,
+            nan=nan, roles=roles, metrics=metrics,
         )
 
 
 _Bad = Callable[[str], CorruptCheckpointError]
 _JSON = msgspec.json.Decoder()
+_DOC = msgspec.json.Decoder(Document)
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _check_head(fmt: object, version: object, has_seal: bool, sealed: bool, where: str, bad: _Bad) -> None:
+    """What a manifest is (shardpoint's, a version this reads, sealed where its version
+    must be), checked before anything else it says."""
+    if fmt != FORMAT_NAME:
+        raise bad("missing 'format': 'shardpoint'")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise bad("'version' is not an integer")
+    if version > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{where}: format version {version} is newer than this shardpoint reads ({FORMAT_VERSION}); "
+            "upgrade shardpoint to load this checkpoint"
+        )
+    if not sealed and (version != UNSEALED_VERSION or has_seal):
+        raise CorruptCheckpointError(
+            f"{where}: has no valid seal, which a version-{version} manifest must have (only version "
+            f"{UNSEALED_VERSION} has none): the file is damaged and nothing in it was used. {DAMAGED_FIX}"
+        )
+
+
+def _explain(body: bytes, err: msgspec.ValidationError, sealed: bool, where: str, bad: _Bad) -> CorruptCheckpointError:
+    """The error for a manifest the typed decoder refused, naming the field as the
+    hand-written checks did (``entry 'x': shape[1]: Expected `int`, got `str```): the
+    document is decoded again untyped, its head checked first (a manifest of a newer
+    version is reported as that), then each part decoded alone to find the key."""
+    try:
+        raw = _JSON.decode(body)
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        return bad(f"not valid JSON ({e})")
+    if not isinstance(raw, dict):
+        return bad("missing 'format': 'shardpoint'")
+    try:
+        _check_head(raw.get("format"), raw.get("version"), "seal" in raw, sealed, where, bad)
+    except CorruptCheckpointError as e:
+        return e
+    for name, info in (raw.get("files") or {}).items() if isinstance(raw.get("files"), dict) else ():
+        why = _why(info, DataFile)
+        if why is not None:
+            if why[0].startswith("index"):
+                return bad(f"files[{name!r}]: 'index' must be {{'name', 'size', 'sha256'}} ({why[0]}: {why[1]})")
+            return bad(f"files[{name!r}]: '{why[0]}': {why[1]}")
+    if isinstance(raw.get("containers"), dict) and isinstance(raw.get("entries"), dict):
+        found = _tree_problem(raw["containers"], raw["entries"])
+        if found is not None:
+            return bad(found)
+    reason, _, at = str(err).partition(" - at `$")
+    field = at.rstrip("`").lstrip(".") or "the document"
+    if field in ("files", "entries", "containers") and not isinstance(raw.get(field), dict):
+        return bad(f"'{field}' is not an object")
+    return bad(f"'{field}': {reason}")
+
+
+def _why(value: object, typ: Any) -> tuple[str, str] | None:
+    """``(field, reason)`` when ``value`` (decoded JSON) is not a ``typ``, else None."""
+    try:
+        msgspec.convert(value, typ)
+    except msgspec.ValidationError as e:
+        reason, _, at = str(e).partition(" - at `$")
+        return at.rstrip("`").lstrip(".") or "the value", reason
+    return None
+
+
+def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], depth: int = 0) -> str | None:
+    """What is wrong in a (sub)tree the typed decoder refused, naming the key (a
+    per-rank value's sub-trees one level down; a per-rank value inside one is refused
+    as the parse refuses it, however deep a hostile manifest nests them)."""
+    for k, v in containers.items():
+        if v not in CONTAINER_TYPES:
+            return f"container {k!r} has unknown type {v!r}"
+    for k, e in entries.items():
+        if not isinstance(e, dict):
+            return f"entry {k!r} is not an object"
+        kind = e.get("kind")
+        if kind not in ("tensor", "value", "per_rank"):
+            return f"entry {k!r} has unknown kind {kind!r}"
+        if kind == "per_rank" and depth > 0:
+            return f"entry {k!r} has unknown kind 'per_rank' (a per-rank value inside a per-rank value)"
+        if kind == "per_rank" and isinstance(e.get("ranks"), dict):
+            for r, sub in e["ranks"].items():
+                if not isinstance(sub, dict) or not isinstance(sub.get("containers"), dict) \
+                        or not isinstance(sub.get("entries"), dict):
+                    return f"entry {k!r}: rank {r!r}: 'containers' and 'entries' must be objects"
+                found = _tree_problem(sub["containers"], sub["entries"], depth + 1)
+                if found is not None:
+                    return found
+        why = _why(e, Entry)
+        if why is not None:
+            return f"entry {k!r}: '{why[0]}': {why[1]}"
+    return None
 
 
 def _number_out(v: float) -> float | str:
@@ -311,113 +376,92 @@ def _number_out(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
 
 
-def _parse_health(h: object, bad: _Bad) -> tuple[list[str] | None, list[str] | None, dict[str, str], dict[str, float]]:
+def _parse_health(doc: Document, bad: _Bad) -> tuple[list[str] | None, list[str] | None, dict[str, str], dict[str, float]]:
+    h = doc.health
     if h is None:
         return None, None, {}, {}
-    if not isinstance(h, dict):
-        raise bad("'health' is not an object")
-    keys, nan, roles, metrics = h.get("nonfinite", []), h.get("nan"), h.get("roles", {}), h.get("metrics", {})
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise bad("'health.nonfinite' must be a list of keys")
-    if nan is not None and (not isinstance(nan, list) or not all(isinstance(k, str) for k in nan)):
-        raise bad("'health.nan' must be a list of keys")
-    if not isinstance(roles, dict) or not all(isinstance(v, str) for v in roles.values()):
-        raise bad("'health.roles' must map keys to role names")
-    if not isinstance(metrics, dict):
-        raise bad("'health.metrics' is not an object")
     out: dict[str, float] = {}
-    for k, v in metrics.items():
+    for k, v in h.metrics.items():
         if isinstance(v, str) and v in _NON_FINITE:
             out[k] = _NON_FINITE[v]
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e308:
-            out[k] = float(v)
+        elif isinstance(v, float) and abs(v) < 1e308:
+            out[k] = v
         else:
             raise bad(f"'health.metrics[{k!r}]' is not a number")
-    return keys, nan, roles, out
+    return h.nonfinite, h.nan, h.roles, out
 
 
-def _parse_tree(doc: object, files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int, depth: int, under: str | None = None,
-                version: int = FORMAT_VERSION) -> Tree:
-    if not isinstance(doc, dict):
-        raise bad("a tree is not an object")
-    containers, entries = doc.get("containers"), doc.get("entries")
-    if not isinstance(containers, dict) or not isinstance(entries, dict):
-        raise bad("'containers' and 'entries' must be objects")
-    for k, v in containers.items():
-        if v not in CONTAINER_TYPES:
-            raise bad(f"container {k!r} has unknown type {v!r}")
+def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry], files: dict[str, DataFile], block: int,
+                bad: _Bad, ws: int, depth: int, under: str | None = None, version: int = FORMAT_VERSION) -> Tree:
+    """The typed tree of decoded ``containers`` and ``entries`` (their types checked
+    by the decoder), with what no schema says checked: the keys form a tree, each
+    layout tiles its shape in ranks of the job, values decode."""
     _check_keys(containers, entries, bad, under)
-    tree = Tree(containers=containers, entries=entries)
+    tree = Tree(containers=cast("dict[str, str]", containers), entries=entries)
+    tensors, values = tree.tensors, tree.values
     for key, e in entries.items():
-        if not isinstance(e, dict):
-            raise bad(f"entry {key!r} is not an object")
-        kind = e.get("kind")
-        if kind == "value":
-            tree.values[key] = decode_value(e.get("value"), where=f"entry {key!r}")
-        elif kind == "tensor":
+        t = type(e)
+        if t is TensorEntry:
+            assert isinstance(e, TensorEntry)
             layout = _check_tensor(key, e, files, block, bad, ws, version)
-            name = e["dtype"]
-            tree.tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e["shape"]), bool(e.get("numpy")), version, e,
-                                           layout)
-        elif kind == "per_rank" and depth == 0:
-            ranks = e.get("ranks")
-            if not isinstance(ranks, dict):
-                raise bad(f"entry {key!r}: 'ranks' is not an object")
+            name = e.dtype
+            tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e.shape), e.numpy, version, e, layout,
+                                      TORCH_DTYPES.get(name))
+        elif t is ValueEntry:
+            assert isinstance(e, ValueEntry)
+            values[key] = decode_value(e.value, where=f"entry {key!r}")
+        elif t is PerRankEntry and depth == 0:
+            assert isinstance(e, PerRankEntry)
             subs = tree.per_rank[key] = {}
-            for r, sub in ranks.items():
+            for r, sub in e.ranks.items():
                 if not (r.isascii() and r.isdigit() and len(r) <= 9) or int(r) >= ws:
                     raise bad(f"entry {key!r}: rank {r!r} is not a rank of the saving job")
-                subs[int(r)] = _parse_tree(sub, files, block, bad, ws, depth + 1, under=key, version=version)
+                subs[int(r)] = _parse_tree(sub.containers, sub.entries, files, block, bad, ws, depth + 1, under=key,
+                                           version=version)
         else:
-            raise bad(f"entry {key!r} has unknown kind {kind!r}")
+            raise bad(f"entry {key!r} has unknown kind 'per_rank' (a per-rank value inside a per-rank value)")
     return tree
 
 
-def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]], block: int, bad: _Bad, ws: int,
+def _check_tensor(key: str, e: TensorEntry, files: dict[str, DataFile], block: int, bad: _Bad, ws: int,
                   version: int) -> bytes | None:
     """Check a tensor entry; returns its layout's key (version 2)."""
-    dtype, shape, chunks = e.get("dtype"), e.get("shape"), e.get("chunks")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    dtype, shape = e.dtype, e.shape
+    if dtype not in DTYPES:
         raise bad(f"entry {key!r}: unknown dtype {dtype!r}")
-    if "numpy" in e and (not isinstance(e["numpy"], bool) or (e["numpy"] and dtype in _NOT_NUMPY)):
+    if e.numpy and dtype in _NOT_NUMPY:
         raise bad(f"entry {key!r}: 'numpy' must be true or false, and numpy has no {dtype}")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
-        raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
-    for s in shape:  # a loop of plain comparisons, not all() over a generator: a load checks every entry
-        if type(s) is not int or not 0 <= s < COUNT_LIMIT:
-            raise bad(f"entry {key!r}: 'shape' is not a list of non-negative integers")
-    numel = math.prod(shape)
-    if numel > _MAX_NUMEL:
-        raise bad(f"entry {key!r}: shape {shape} is implausibly large")
-    if version >= 2:
-        layout = layouts.layout_key(e, shape, ws)
-        why = layouts.check(e, shape, ws, layout)
+    if version >= 2:  # the shape's size and the layout, checked once per layout (layouts.check)
+        layout = layouts.layout_key(e, ws)
+        why = layouts.check(e, ws, layout)
         if why is not None:
             raise bad(f"entry {key!r}: {why}")
         return layout
-    if not isinstance(chunks, list):
+    numel = math.prod(shape)
+    if numel > layouts.MAX_NUMEL:
+        raise bad(f"entry {key!r}: shape {shape} is implausibly large")
+    chunks = e.chunks
+    if chunks is None:
         raise bad(f"entry {key!r}: 'chunks' is not a list")
     covered = 0
     for c in chunks:
-        if not isinstance(c, dict):
-            raise bad(f"entry {key!r}: a chunk is not an object")
-        off, size = c.get("offsets"), c.get("sizes")
-        if not (isinstance(off, list) and isinstance(size, list) and len(off) == len(size) == len(shape)):
+        off, size = c.offsets, c.sizes
+        if not len(off) == len(size) == len(shape):
             raise bad(f"entry {key!r}: chunk offsets/sizes do not match the shape's rank")
         if not all(is_count(o) and is_count(s) and o + s <= d for o, s, d in zip(off, size, shape)):
             raise bad(f"entry {key!r}: a chunk lies outside the shape {shape}")
-        fname = c.get("file")
-        if not isinstance(fname, str) or fname not in files:
+        fname = c.file
+        if fname is None or fname not in files:
             raise bad(f"entry {key!r}: chunk file {fname!r} is not listed in 'files'")
         check_name(fname)
-        length, offset = c.get("length"), c.get("offset")
-        if not is_count(length) or not is_count(offset):
+        length, offset = c.length, c.offset
+        if length is None or offset is None:
             raise bad(f"entry {key!r}: chunk offset/length are not non-negative integers")
-        if offset + length > files[fname]["size"]:
+        if offset + length > files[fname].size:
             raise bad(f"entry {key!r}: chunk bytes {offset}..{offset + length} lie beyond the end of {fname}")
-        crc = c.get("crc32")
+        crc = c.crc32
         want = crc_count(length, block)
-        if not isinstance(crc, list) or len(crc) != want or not all(is_count(x) for x in crc):
+        if crc is None or len(crc) != want:
             raise bad(f"entry {key!r}: chunk 'crc32' must list {want} block checksums")
         covered += math.prod(size)
     if covered != numel:
@@ -425,37 +469,54 @@ def _check_tensor(key: str, e: dict[str, Any], files: dict[str, dict[str, Any]],
     return None
 
 
-def _check_keys(containers: dict[str, str], entries: Mapping[str, object], bad: _Bad, under: str | None) -> None:
+def _check_keys(containers: Mapping[str, str], entries: Mapping[str, object], bad: _Bad, under: str | None) -> None:
     """The keys form a tree a save could have written: no leaf has children or is
     also a container, list and tuple children are indexed by integers, integer
     segments are of sane length, and a per-rank value's keys lie under its own key
     (``under``)."""
     for k in entries.keys() & containers.keys():
         raise bad(f"key {k!r} is both a leaf and a container")
-    inside = None if under is None or under == "" else under + "/"
-    for k in (*containers, *entries):
-        if len(k) > _MAX_INT_DIGITS:  # only a key this long can hold a segment this long
-            for seg in k.split("/"):
+    keys = [*containers, *entries]
+    if max(map(len, keys), default=0) > _MAX_INT_DIGITS:  # only a key this long can hold a segment this long
+        for k in keys:
+            for seg in k.split("/") if len(k) > _MAX_INT_DIGITS else ():
                 if len(seg) > _MAX_INT_DIGITS and _INT_SEG.match(seg):
                     raise bad(f"key {k[:80]!r}...: an integer segment of {len(seg)} digits")
-        if inside is not None and k != under and not k.startswith(inside):
-            raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
-        if k == "":
-            continue
-        # each parent ("" and every prefix up to a "/") and the segment below it, nearest
-        # first; a parent that is a container is a key of its own, whose parents its own
-        # turn checks, so the walk up stops there
-        end = len(k)
-        while True:
-            cut = k.rfind("/", 0, end)
-            parent = k[:cut] if cut > 0 else ""
-            if parent in entries:
-                raise bad(f"key {k!r} lies under the leaf {parent!r}")
-            kind = containers.get(parent)
-            if kind == "list" or kind == "tuple":
-                seg = k[cut + 1 : end]
-                if not (seg.isascii() and seg.isdigit()):
-                    raise bad(f"key {k!r}: a {kind} is indexed by {seg!r}, not by an integer")
-            if kind is not None or cut < 0:
-                break
-            end = cut
+    if under is not None and under != "":
+        inside = under + "/"
+        for k in keys:
+            if k != under and not k.startswith(inside):
+                raise bad(f"per-rank key {k!r} does not lie under its value's key {under!r}")
+    # each key's parent and its segment below it, in C-speed comprehensions (a load checks
+    # every key); a parent that is no container of its own is walked up from (:func:`_check_up`)
+    parts = [k.rpartition("/") for k in keys if k != ""]
+    parents = {t[0] for t in parts}
+    for p in parents & entries.keys():
+        raise bad(f"key {next(k for k in keys if k.rpartition('/')[0] == p)!r} lies under the leaf {p!r}")
+    sequences = {c for c, kind in containers.items() if kind != "dict"}
+    for p, _, seg in [t for t in parts if t[0] in sequences] if sequences & parents else ():
+        if not (seg.isascii() and seg.isdigit()):
+            raise bad(f"key {p + '/' + seg if p else seg!r}: a {containers[p]} is indexed by {seg!r}, not by an integer")
+    for p in parents:
+        if p not in containers:
+            _check_up(p, containers, entries, bad)
+
+
+def _check_up(k: str, containers: Mapping[str, str], entries: Mapping[str, object], bad: _Bad) -> None:
+    """The parents of ``k`` (a key's parent that is no container itself) up to the
+    nearest container: none is a leaf, and a list or tuple among them is indexed by
+    an integer."""
+    end = len(k)
+    while True:
+        cut = k.rfind("/", 0, end)
+        parent = k[:cut] if cut > 0 else ""
+        if parent in entries:
+            raise bad(f"key {k!r} lies under the leaf {parent!r}")
+        kind = containers.get(parent)
+        if kind == "list" or kind == "tuple":
+            seg = k[cut + 1 : end]
+            if not (seg.isascii() and seg.isdigit()):
+                raise bad(f"key {k!r}: a {kind} is indexed by {seg!r}, not by an integer")
+        if kind is not None or cut < 0:
+            break
+        end = cut

@@ -44,6 +44,7 @@ from .._optim import (
 )
 from ..adapters import Adapter, KeyMap
 from ..errors import UnsupportedConfigError, UsageError
+from ..format.model import TensorEntry
 from ..layout import FlatShard
 from ..report import LoadReport
 from ..state import TrainState
@@ -343,9 +344,9 @@ def prepare_train_state(engine: Engine, entries: Entries, select: Callable[[str]
             hit = found.get(name)
             if hit is None:  # Adam state the checkpoint lacks: as Adam's first step makes it
                 new[name] = torch.zeros((), dtype=torch.float32) if name == "step" else torch.zeros_like(key).detach()
-            elif hit[1]["kind"] != "tensor":
+            elif not isinstance(hit[1], TensorEntry):
                 new[name] = 0  # a plain value, set from the checkpoint by apply_train_state
-            elif name != "step" and tuple(hit[1]["shape"]) == kps[0].shape:  # per element: like the partition
+            elif name != "step" and tuple(hit[1].shape) == kps[0].shape:  # per element: like the partition
                 new[name] = torch.zeros_like(key, memory_format=torch.preserve_format).detach()
             else:  # a scalar (step) or another shape: as saved
                 new[name] = zeros_like_entry(hit[0], hit[1], None)

@@ -58,15 +58,19 @@ def committed(storage: Storage, save_id: str) -> bool:
 def read_index(storage: Storage, manifest: Manifest, fname: str) -> Index:
     """The verified index of data file ``fname`` (its bytes must have the size and
     SHA-256 the manifest committed)."""
-    rec = manifest.files[fname]["index"]
-    where = f"{storage.url}/{rec['name']}"
+    info = manifest.files[fname]
+    rec = info.index
+    if rec is None:
+        raise CorruptCheckpointError(f"{storage.url}: {fname} has no index (a version-1 checkpoint lists its chunks in the "
+                                     f"manifest); the manifest is damaged. {DAMAGED_FIX}")
+    where = f"{storage.url}/{rec.name}"
     try:
-        data = storage.read(rec["name"])
+        data = storage.read(rec.name)
     except (CorruptCheckpointError, OSError) as e:
         raise CorruptCheckpointError(
             f"the index {where} of {fname} cannot be read ({e}); the checkpoint is damaged. {DAMAGED_FIX}"
         ) from None
-    return parse_index(bytes(data), data_file=fname, expect=rec, file_size=manifest.files[fname]["size"],
+    return parse_index(bytes(data), data_file=fname, expect=rec, file_size=info.size,
                        block=manifest.crc_block, where=where, refs=manifest.refs)
 
 

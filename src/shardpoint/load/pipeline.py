@@ -36,8 +36,9 @@ from ..errors import (
 from ..format.manifest import Manifest
 from ..report import LoadReport, LoadStats, human
 from ..storage import Storage
+from ..tree import Selection
 from .locate import Locator, committed, read_manifest
-from .place import Collect, TreeLoad, _Selector, build, fill_all, load_per_rank, materialise_tree
+from .place import Collect, KeyCheck, TreeLoad, build, fill_all, load_per_rank, materialise_tree
 from .read import FileRange, Reader, ReadJob, plan_jobs, read_ranges
 
 
@@ -65,25 +66,29 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions, f
     ``storage`` reads them, and raises on every rank when any rank failed."""
     t0 = time.perf_counter()
     comm.arrive("load", storage.url)
-    select = _Selector(options.only, options.exclude)
+    select = Selection(options.only, options.exclude)
     report = LoadReport()
     hooks = LoadHooks()
     # 1. every rank: read the manifest, let the owners prepare, check the keys (nothing modified yet);
     # 2. with the verdict, which checkpoint keys this rank holds (the ones no rank holds may be created)
     err: BaseException | None = None
     top: TreeLoad | None = None
+    found: KeyCheck | None = None
     manifest: Manifest | None = None
     holds: object = None
     try:
         manifest = read_manifest(storage)
         report.world_size = manifest.world_size
-        top = _prepare(state, manifest, select, report, options.strict, comm.rank, hooks)
+        top = _prepare(state, manifest, select, report, comm.rank, hooks)
+        found = _check(top, options.strict, report)
         holds = _holds(top, manifest)
     except Exception as e:  # noqa: BLE001 - fanned out to every rank
         err = e
     verdict = start_agree(comm, holds, err, functools.partial(_held_anywhere, storage=storage))
     # while the ranks exchange, plan the reads of this rank's own tensors (that changes nothing)
-    ahead = _plan_ahead(top, manifest, storage) if err is None and top is not None and manifest is not None else None
+    ahead = None
+    if err is None and top is not None and found is not None and manifest is not None:
+        ahead = _plan_ahead(top, found, manifest, storage)
     merged = verdict()
     assert top is not None and manifest is not None and ahead is not None
     held = _keys_of(merged, manifest)
@@ -134,25 +139,30 @@ def read_whole(storage: Storage, keys: list[str] | str | None, verify: bool) -> 
     """The nested state of a checkpoint with full CPU tensors, in one process."""
     manifest = read_manifest(storage)
     reads = Collect(manifest, Locator(storage, manifest))
-    value = materialise_tree(manifest.tree, "", reads, select=_Selector(keys, None))
+    value = materialise_tree(manifest.tree, "", reads, select=Selection(keys, None))
     _read(reads, plan_jobs(reads.targets, reads.locator), verify)
     return build(value)
 
 
-def _prepare(state: Any, manifest: Manifest, select: _Selector, report: LoadReport, strict: bool, rank: int,
+def _prepare(state: Any, manifest: Manifest, select: Selection, report: LoadReport, rank: int,
              hooks: LoadHooks) -> TreeLoad:
-    """The owners' prepare hooks, the walk of the local state and the key check."""
+    """The owners' prepare hooks and the walk of the local state."""
     try:
         w = hooks.prepare(state, manifest.tree.entries, select)
     except TypeError as e:  # the walk names the key that cannot be saved
         raise UnsupportedTypeError(str(e)) from None
     _check_patterns(select, manifest.tree.entries.keys() | w.leaves.keys() | w.per_rank.keys())
-    top = TreeLoad(w, manifest.tree, select, report, rank=rank)
-    top.check(strict)
-    return top
+    return TreeLoad(w, manifest.tree, select, report, rank=rank)
 
 
-def _check_patterns(select: _Selector, keys: Collection[str]) -> None:
+def _check(top: TreeLoad, strict: bool, report: LoadReport) -> KeyCheck:
+    """The key check (keys and shapes; nothing is modified), its findings reported."""
+    found = top.check(strict)
+    found.record(report)
+    return found
+
+
+def _check_patterns(select: Selection, keys: Collection[str]) -> None:
     """``only=``/``exclude=`` prefixes that name no key of the checkpoint or of the state
     are refused when they look like a typo of one that does (``only="modle"`` would load
     nothing, ``exclude="optimiser"`` exclude nothing, silently), or when no ``only``
@@ -174,7 +184,7 @@ def _check_patterns(select: _Selector, keys: Collection[str]) -> None:
                                  "whole /-separated segments: 'model' matches 'model/w', never 'model_ema/w')")
 
 
-def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: _Selector, held: set[str]) -> None:
+def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: Selection, held: set[str]) -> None:
     """``strict``: checkpoint keys that no rank holds, inside a part of an owner the state
     holds (its model or optimizer: a model with fewer layers than the checkpoint's), are
     refused before anything is modified, as ``load_state_dict(strict=True)`` refuses
@@ -203,9 +213,9 @@ def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
     which of its keys this rank's state holds ("" for all of them, else a bitmap over
     the sorted keys, as hex)."""
     local = top.walk.leaves.keys() | top.walk.per_rank.keys()
-    names = sorted(manifest.tree.entries)
-    if all(k in local for k in names):
+    if manifest.tree.entries.keys() <= local:
         return [manifest.save_id, ""]
+    names = sorted(manifest.tree.entries)
     bits = bytearray((len(names) + 7) // 8)
     for i, k in enumerate(names):
         if k in local:
@@ -235,9 +245,9 @@ def _held_anywhere(everyone: list[Any], storage: Storage) -> str:
 
 def _keys_of(held: str, manifest: Manifest) -> set[str]:
     """The checkpoint keys a merged bitmap of :func:`_held_anywhere` names."""
-    names = sorted(manifest.tree.entries)
     if held == "":
-        return set(names)
+        return set(manifest.tree.entries)
+    names = sorted(manifest.tree.entries)
     bits = bytes.fromhex(held)
     return {k for i, k in enumerate(names) if bits[i >> 3] >> (i & 7) & 1}
 
@@ -252,10 +262,10 @@ class _Ahead:
     error: BaseException | None = None
 
 
-def _plan_ahead(top: TreeLoad, manifest: Manifest, storage: Storage) -> _Ahead:
+def _plan_ahead(top: TreeLoad, found: KeyCheck, manifest: Manifest, storage: Storage) -> _Ahead:
     reads = Collect(manifest, Locator(storage, manifest))
     try:
-        top.plan_local(reads)
+        top.plan_local(reads, found)
         return _Ahead(reads, plan_jobs(reads.targets, reads.locator))
     except Exception as e:  # noqa: BLE001 - raised after the verdict, then fanned out
         return _Ahead(reads, [], e)
@@ -280,7 +290,7 @@ class _Planned:
     per_rank: list[TreeLoad]
 
 
-def _plan_rest(top: TreeLoad, manifest: Manifest, select: _Selector, report: LoadReport, options: LoadOptions,
+def _plan_rest(top: TreeLoad, manifest: Manifest, select: Selection, report: LoadReport, options: LoadOptions,
                held: set[str], rank: int, ahead: _Ahead) -> _Planned:
     """Add the created keys and per-rank values to this rank's planned reads (then
     read them verified and place every value; Stateful objects get ``load_state_dict``)."""

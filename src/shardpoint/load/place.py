@@ -6,28 +6,28 @@ report.
 Created values are the keys a lazily built state lacks (an optimizer's state
 before its first step) and whole saved (sub)trees (``load_full``, a per-rank value
 no rank has): containers take the types they were saved with, empty ones
-included; tensors are allocated and read by the read stage
-(:class:`~shardpoint.load.read.Fresh`) and the values built (:func:`build`) once
-they are."""
+included; a created tensor is allocated here (:class:`Fresh`), read by the read
+stage like any target, and the values built (:func:`build`) once it is."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
-from ..errors import CorruptCheckpointError, KeyMismatchError
+from ..errors import AllocationError, CorruptCheckpointError, KeyMismatchError
 from ..format.boxes import Box
 from ..format.chunks import TensorSpec
 from ..format.manifest import Manifest, Tree
+from ..format.model import PerRankEntry, TensorEntry, ValueEntry, kind_of
 from ..layout import chunks_of
 from ..layout.local import LocalChunks, Seen
 from ..report import LoadReport
-from ..tree import Node, PerRank, Walk, decode_key, join, matches_prefix
+from ..tree import Node, PerRank, Selection, Walk, decode_key, join
 from .locate import Locator
-from .read import Fresh, Target
+from .read import Target
 
 
 @dataclass(slots=True)
@@ -44,23 +44,53 @@ class Collect:
         self.targets.append(Target(spec, boxes, views, per_rank))
 
     def create(self, spec: TensorSpec, per_rank: bool) -> Fresh:
-        """Create ``spec``'s tensor whole (allocated by :func:`plan_jobs`) and read it."""
-        fresh = Fresh(spec)
-        self.targets.append(Target(spec, [Box((0,) * len(spec.shape), spec.shape)], [], per_rank, fresh))
+        """Create ``spec``'s tensor whole (allocated here, once its files are seen to
+        hold its bytes where it is large) and read it."""
+        fresh = Fresh(spec, _allocate(spec, self.locator))
+        self.targets.append(Target(spec, [Box((0,) * len(spec.shape), spec.shape)], [fresh.tensor], per_rank))
         return fresh
 
 
-class _Selector:
-    def __init__(self, only: list[str] | str | None, exclude: list[str] | str | None) -> None:
-        self.only = [only] if isinstance(only, str) else only
-        self.exclude = [exclude] if isinstance(exclude, str) else exclude
-        #: Every key is selected (no ``only``, no ``exclude``).
-        self.everything = self.only is None and not self.exclude
+@dataclass(frozen=True, slots=True)
+class Fresh:
+    """A tensor the load creates (no local object holds the key), filled by the reads."""
 
-    def __call__(self, key: str) -> bool:
-        if self.only is not None and not matches_prefix(key, self.only):
-            return False
-        return not (self.exclude and matches_prefix(key, self.exclude))
+    spec: TensorSpec
+    tensor: torch.Tensor
+
+
+#: Tensors at least this large are allocated only after their files are seen to hold their bytes.
+_CHECK_BEFORE_ALLOC = 64 << 20
+
+
+def _allocate(spec: TensorSpec, locator: Locator) -> torch.Tensor:
+    """An empty CPU tensor for a created key; a large one only once its files are
+    seen to hold its bytes (a manifest's shape is only a claim: a damaged or hostile
+    one must not make a load ask for a petabyte)."""
+    nbytes = spec.nbytes
+    if nbytes >= _CHECK_BEFORE_ALLOC:
+        locator.check_holds(spec)
+    try:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    except (RuntimeError, MemoryError) as err:
+        raise AllocationError(
+            f"key {spec.key!r}: cannot allocate a {spec.dtype_name} tensor of shape {list(spec.shape)} ({nbytes} bytes) to "
+            f"load it into ({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCheck:
+    """What the key check of one tree found (nothing is recorded in the report yet)."""
+
+    skipped: list[str]
+    """Keys left out by ``only``/``exclude``: local ones, and the checkpoint's that no local leaf holds."""
+    missing: list[str]
+    """Local keys the checkpoint lacks."""
+
+    def record(self, report: LoadReport) -> None:
+        report.skipped += self.skipped
+        report.missing += self.missing
 
 
 @dataclass(slots=True)
@@ -69,7 +99,7 @@ class TreeLoad:
 
     walk: Walk
     tree: Tree
-    select: _Selector
+    select: Selection
     report: LoadReport
     values: dict[str, object] = field(default_factory=dict)  # key -> decoded value to assign
     pending: dict[str, list[tuple[str | int, object]]] = field(default_factory=dict)  # container key -> [(seg, value)]
@@ -79,22 +109,28 @@ class TreeLoad:
     local: dict[str, LocalChunks] = field(default_factory=dict)  # key -> what this rank holds of the tensor
     shape: Shape | None = None  # the saved containers, for what is created; made on first use
 
-    def check(self, strict: bool) -> None:
-        """Keys and shapes, before anything is modified."""
-        r = self.report
-        tensors, local = self.tree.tensors, self.local
+    def check(self, strict: bool) -> KeyCheck:
+        """Keys and shapes, before anything is modified; returns what it found left
+        out or missing (recorded in the report by the caller)."""
+        tensors, local, entries, select = self.tree.tensors, self.local, self.tree.entries, self.select
+        skipped: list[str] = []
+        missing: list[str] = []
         seen: Seen = {}
         for key, node in self.walk.leaves.items():
-            e = self._entry(key)
+            if not select.everything and not select(key):
+                skipped.append(key)
+                continue
+            e = entries.get(key)
             if e is None:
+                missing.append(key)
                 continue
             if node.kind == "tensor":
-                if e["kind"] != "tensor":
-                    raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {e['kind']} in the checkpoint")
+                if type(e) is not TensorEntry:
+                    raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {kind_of(e)} in the checkpoint")
                 lc = local[key] = chunks_of(key, node.obj, seen)
                 if lc.shape != tensors[key].shape:
                     raise KeyMismatchError(
-                        f"key {key!r}: the checkpoint holds shape {tuple(e['shape'])}, the local tensor has global shape "
+                        f"key {key!r}: the checkpoint holds shape {tensors[key].shape}, the local tensor has global shape "
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
                 views = lc.views  # most tensors have one view: no generator for it (a load checks every tensor)
@@ -103,60 +139,53 @@ class TreeLoad:
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
                     )
+            elif type(e) is not ValueEntry:
+                raise KeyMismatchError(f"key {key!r} is a plain value in the local state but a {kind_of(e)} in the checkpoint")
         for key in self.walk.per_rank:
-            e = self._entry(key)
-            if e is not None and e["kind"] != "per_rank":
+            if not select.everything and not select(key):
+                skipped.append(key)
+                continue
+            e = entries.get(key)
+            if e is None:
+                missing.append(key)
+            elif type(e) is not PerRankEntry:
                 raise KeyMismatchError(
-                    f"key {key!r} is a PerRank value in the local state but a {e['kind']} in the checkpoint; "
+                    f"key {key!r} is a PerRank value in the local state but a {kind_of(e)} in the checkpoint; "
                     "wrap it (or not) in shardpoint.PerRank the way it was saved, or leave it out with exclude="
                 )
-        if not self.select.everything:
-            for key in self.tree.entries:
-                if not self.select(key) and key not in self.walk.leaves:
-                    r.skipped.append(key)
-        if strict and r.missing:
+        if not select.everything:
+            skipped += [key for key in entries if not select(key) and key not in self.walk.leaves]
+        if strict and missing:
             raise KeyMismatchError(
-                f"{len(r.missing)} key(s) of the local state are not in the checkpoint: {sorted(r.missing)[:20]}; "
+                f"{len(missing)} key(s) of the local state are not in the checkpoint: {sorted(missing)[:20]}; "
                 "pass strict=False to leave them as they are, or exclude=[...] to skip them"
             )
+        return KeyCheck(skipped, missing)
 
-    def _entry(self, key: str) -> dict[str, Any] | None:
-        """The checkpoint's entry for local ``key``, or None, recorded in the report as
-        skipped (left out by the selection) or missing (not in the checkpoint)."""
-        if not self.select.everything and not self.select(key):
-            self.report.skipped.append(key)
-            return None
-        e = self.tree.entries.get(key)
-        if e is None:
-            self.report.missing.append(key)
-        return e
-
-    def plan(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
+    def plan(self, reads: Collect, found: KeyCheck, held: Callable[[str], bool], create: bool) -> None:
         """Collect the reads of local tensors; decide what to create."""
-        self.plan_local(reads)
+        self.plan_local(reads, found)
         self.plan_created(reads, held, create)
 
-    def plan_local(self, reads: Collect) -> None:
+    def plan_local(self, reads: Collect, found: KeyCheck) -> None:
         """Collect the reads of local tensors and the values to assign (changes
-        nothing in the state)."""
+        nothing in the state), leaving out what the key check ``found`` left out."""
         r = self.report
-        skip = set(r.skipped) | set(r.missing)
+        skip = {*found.skipped, *found.missing} if found.skipped or found.missing else ()
+        tensors, values = self.tree.tensors, self.tree.values
         for key, node in self.walk.leaves.items():
             if key in skip:
                 continue
-            e = self.tree.entries[key]
             self.touched.add(key)
             r.loaded.append(key)
             if node.kind == "tensor":
-                spec = self.tree.tensors[key]
+                spec = tensors[key]
                 lc = self.local[key]
                 if lc.dtype != spec.dtype:
                     r.cast.append(key)
                 reads.add(spec, lc.boxes, lc.views, self.per_rank)
             else:
-                self.values[key] = self.tree.values.get(key)
-                if e["kind"] != "value":
-                    raise KeyMismatchError(f"key {key!r} is a plain value in the local state but a {e['kind']} in the checkpoint")
+                self.values[key] = values.get(key)
 
     def plan_created(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
         """Decide what to create: the checkpoint's keys that no rank holds (``held``)
@@ -169,7 +198,7 @@ class TreeLoad:
             if not create or anchor is None:
                 r.unexpected.append(key)
                 continue
-            if e["kind"] == "per_rank":
+            if type(e) is PerRankEntry:
                 sub = self.tree.per_rank[key].get(self.rank)
                 r.per_rank[key] = "restored" if sub is not None else "kept"
                 if sub is None:
@@ -223,7 +252,7 @@ class TreeLoad:
             obj = node.obj
             items = []
             for seg, child in node.children.items():
-                v = self.fill(child, join(key, seg))
+                v = self.fill(child, child.key)
                 items.append(v)
                 if k != "tuple" and obj[seg] is not v:
                     obj[seg] = v
@@ -253,7 +282,7 @@ class TreeLoad:
 
 
 def load_per_rank(key: str, node_walk: Walk, saved: dict[int, Tree], rank: int,
-                  select: _Selector, reads: Collect, report: LoadReport, strict: bool, create: bool) -> list[TreeLoad]:
+                  select: Selection, reads: Collect, report: LoadReport, strict: bool, create: bool) -> list[TreeLoad]:
     """Collect the load of one per-rank value (``saved``: its sub-tree of each saving rank) on this rank."""
     tree = saved.get(rank)
     if tree is None:
@@ -261,8 +290,9 @@ def load_per_rank(key: str, node_walk: Walk, saved: dict[int, Tree], rank: int,
         return []
     report.per_rank[key] = "restored"
     tl = TreeLoad(node_walk, tree, select, report, rank=rank, per_rank=True)
-    tl.check(strict)
-    tl.plan(reads, lambda k: False, create)
+    found = tl.check(strict)
+    found.record(report)
+    tl.plan(reads, found, lambda k: False, create)
     return [tl]
 
 
@@ -361,7 +391,6 @@ def materialise_tree(tree: Tree, key: str, reads: Collect, per_rank: bool = Fals
 def build(value: object) -> object:
     """``value`` with everything created in it built (after the reads)."""
     if isinstance(value, Fresh):
-        assert value.tensor is not None, "built before it was read"
         return value.tensor.numpy() if value.spec.numpy else value.tensor
     return value.build() if isinstance(value, (Pending, _Wrap)) else value
 

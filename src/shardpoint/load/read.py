@@ -20,7 +20,7 @@ from typing import NamedTuple, NoReturn
 import msgspec
 import torch
 
-from ..errors import AllocationError, CorruptCheckpointError, UsageError
+from ..errors import CorruptCheckpointError, UsageError
 from ..format.boxes import Box, box_runs
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
 from ..format.datafile import crc32, first_bad_block
@@ -49,26 +49,15 @@ def io_threads(storage: Storage) -> int:
 _PIECE = 8 << 20
 
 
-@dataclass(slots=True)
-class Fresh:
-    """A tensor the load creates (no local object holds the key). The read stage
-    allocates it, once its files are seen to hold its bytes (a manifest's shape is
-    only a claim: a damaged or hostile one must not make a load ask for a
-    petabyte), and reads it."""
-
-    spec: TensorSpec
-    tensor: torch.Tensor | None = None
-
-
-class Target(NamedTuple):
+class Target(msgspec.Struct, frozen=True, gc=False):
     """A tensor to fill: its saved description and the views that hold this rank's
-    boxes of it, or (``fresh``) a tensor to create whole."""
+    boxes of it (a created tensor's one view is the whole of it). A
+    :class:`msgspec.Struct` (made in C): a load makes one per tensor."""
 
     spec: TensorSpec
     boxes: list[Box]
     views: list[torch.Tensor]
     per_rank: bool
-    fresh: Fresh | None = None
 
 
 class ReadJob(msgspec.Struct, frozen=True, gc=False):
@@ -155,9 +144,6 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     find, indexes = locator.find, locator.indexes
     for t in targets:
         spec = t.spec
-        if t.fresh is not None:
-            t.fresh.tensor = _allocate(spec, locator)
-            t = t._replace(views=[t.fresh.tensor])
         # a layout (a text naming the shape and the saved boxes; None for listed chunks) and local boxes
         # seen before: the same chunks and the same steps
         memo = None if spec.layout is None else (spec.layout, tuple(t.boxes))
@@ -201,31 +187,11 @@ _RUN_MAX = 512
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, as a flat memoryview."""
-    if t.dim():
-        try:
-            return t.numpy().data.cast("B")
-        except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes as uint8
-            pass
-    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-
-
-#: Tensors at least this large are allocated only after their files are seen to hold their bytes.
-_CHECK_BEFORE_ALLOC = 64 << 20
-
-
-def _allocate(spec: TensorSpec, locator: Locator) -> torch.Tensor:
-    """An empty CPU tensor for a created key; a large one only once its files are
-    seen to hold its bytes."""
-    nbytes = spec.nbytes
-    if nbytes >= _CHECK_BEFORE_ALLOC:
-        locator.check_holds(spec)
     try:
-        return torch.empty(spec.shape, dtype=spec.dtype)
-    except (RuntimeError, MemoryError) as err:
-        raise AllocationError(
-            f"key {spec.key!r}: cannot allocate a {spec.dtype_name} tensor of shape {list(spec.shape)} ({nbytes} bytes) to "
-            f"load it into ({err}); load fewer keys at once (keys=[...]) or on a machine with more memory"
-        ) from None
+        a = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes as uint8
+        return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    return (a.reshape(1) if not a.ndim else a).data.cast("B")
 
 
 @dataclass(slots=True)

@@ -110,9 +110,8 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
 def check_files(storage: Storage, manifest: Manifest) -> None:
     """Every data file and index ``manifest`` names is at ``storage`` with the size its
     writer reported (one listing); else raise naming the first that is not."""
-    names = [(n, int(f["size"])) for n, f in manifest.files.items()]
-    names += [(str(f["index"]["name"]), int(f["index"]["size"])) for f in manifest.files.values()
-              if isinstance(f.get("index"), dict)]
+    names = [(n, f.size) for n, f in manifest.files.items()]
+    names += [(f.index.name, f.index.size) for f in manifest.files.values() if f.index is not None]
     if not names:
         return
     there = storage.sizes()

@@ -17,7 +17,6 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -27,7 +26,9 @@ from .._version import __version__
 from ..errors import InternalError, RankMismatchError, UsageError
 from ..format import layouts
 from ..format.datafile import CRC_BLOCK, itemsize_of
+from ..format.layouts import Layout
 from ..format.manifest import Manifest, Tree
+from ..format.model import DataFile, Grid, IndexFile, PerRankEntry, RankStep, TensorEntry, TreeDoc, ValueEntry
 from ..plan import ChunkTable, Placement, PlanError, choose_writers, nonempty_rows
 from ..runtime import PROCESS
 from .records import Encoded, RankLayout, RankValues, TensorMeta, TreeLayout, Wire, WriteStatus
@@ -356,30 +357,26 @@ def check_replicas(plan: Plan, statuses: list[WriteStatus]) -> None:
     )
 
 
-def _tree(containers: dict[str, str], values: dict[str, Encoded], tensors: dict[str, Wire]) -> Tree:
+def _tree(containers: dict[str, str], values: dict[str, Encoded], tensors: dict[str, TensorEntry]) -> Tree:
     """One (sub)tree of the manifest: containers, values, tensors with their layout
     (:func:`_tensor_entries`; the same for the top level and for each rank's per-rank value)."""
     tree = Tree(containers=dict(sorted(containers.items())))
     for k, v in sorted(values.items()):
-        tree.entries[k] = {"kind": "value", "value": v}
+        tree.entries[k] = ValueEntry(list(v))
     tree.entries.update(tensors)
     return tree
 
 
-def _tensor_entries(info: dict[str, TensorMeta], placed: dict[str, Wire]) -> dict[str, Wire]:
+def _tensor_entries(info: dict[str, TensorMeta], placed: dict[str, Layout]) -> dict[str, TensorEntry]:
     """The tensors' entries of a (sub)tree, by key: dtype, shape and layout."""
-    out: dict[str, Wire] = {}
+    out: dict[str, TensorEntry] = {}
     for k in sorted(info):
-        t = info[k]
-        e: dict[str, Any] = {"kind": "tensor", "dtype": t["dtype"], "shape": t["shape"]}
-        if t.get("numpy"):
-            e["numpy"] = True
-        e.update(placed[k])
-        out[k] = e
+        t, lay = info[k], placed[k]
+        out[k] = TensorEntry(t["dtype"], list(t["shape"]), bool(t.get("numpy")), lay.grid, lay.flat, lay.chunks)
     return out
 
 
-def _per_rank_placed(d: TreeLayout, rank: int) -> dict[str, Wire]:
+def _per_rank_placed(d: TreeLayout, rank: int) -> dict[str, Layout]:
     c = d["chunks"]
     by_key: dict[str, list[int]] = {}
     for i, size in enumerate(c["size"]):
@@ -395,7 +392,7 @@ def _per_rank_placed(d: TreeLayout, rank: int) -> dict[str, Wire]:
     return out
 
 
-def _row_split_grids(plan: Plan, bounds: np.ndarray) -> dict[str, Wire]:
+def _row_split_grids(plan: Plan, bounds: np.ndarray) -> dict[str, Layout]:
     """The ``grid`` entries of the tensors split along dim 0 only (FSDP's ``Shard(0)``,
     the common case), for all of them at once: the same entries
     :func:`layouts.encode` makes, without a dozen array calls per tensor. The
@@ -429,7 +426,7 @@ def _row_split_grids(plan: Plan, bounds: np.ndarray) -> dict[str, Wire]:
     irregular = (idx > start) & (step != step0)  # ranks not first + i * step
     bad_cuts = np.bincount(kw, weights=uneven, minlength=nkeys) > 0
     bad_ranks = np.bincount(kw, weights=irregular, minlength=nkeys) > 0
-    out: dict[str, Wire] = {}
+    out: dict[str, Layout] = {}
     first_off, first_rank = off[bounds[:-1].clip(max=n - 1), 0], rank[bounds[:-1].clip(max=n - 1)]
     c0_key = s0[bounds[:-1].clip(max=n - 1)]
     step_key = step[np.minimum(bounds[:-1] + 1, bounds[1:] - 1).clip(max=n - 1)]
@@ -439,23 +436,23 @@ def _row_split_grids(plan: Plan, bounds: np.ndarray) -> dict[str, Wire]:
             continue
         shp = plan.info[plan.keys[i]]["shape"]
         dim0: int | list[int] = int(c0_key[i]) if not bad_cuts[i] else off[a:b, 0].tolist() + [int(shp[0])]
-        ranks: list[int] | dict[str, int]
+        ranks: list[int] | RankStep
         if b - a == 1:
             ranks = [int(first_rank[i])]
         elif not bad_ranks[i]:
-            ranks = {"first": int(first_rank[i]), "step": int(step_key[i])}
+            ranks = RankStep(int(first_rank[i]), int(step_key[i]))
         else:
             ranks = rank[a:b].tolist()
-        out[plan.keys[i]] = {"grid": {"cuts": [dim0, *shp[1:]], "ranks": ranks}}
+        out[plan.keys[i]] = Layout(grid=Grid([dim0, *shp[1:]], ranks))
     return out
 
 
-def tensor_entries(plan: Plan) -> dict[str, Wire]:
+def tensor_entries(plan: Plan) -> dict[str, TensorEntry]:
     """The manifest's entries of the plan's tensors (top level), by key."""
     return _tensor_entries(plan.info, placed_layouts(plan))
 
 
-def placed_layouts(plan: Plan) -> dict[str, Wire]:
+def placed_layouts(plan: Plan) -> dict[str, Layout]:
     """Each tensor's layout entry (:func:`layouts.encode` of its non-empty boxes and
     their writers), from the plan's placement. A key that shares another's boxes and
     writers (one pattern of a grid of ranks) shares that key's entry object: the
@@ -479,7 +476,7 @@ def placed_layouts(plan: Plan) -> dict[str, Wire]:
 
 
 def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteStatus], save_id: str, *,
-                   merged: dict[str, Encoded] | None = None, tensors: dict[str, Wire] | None = None) -> Manifest:
+                   merged: dict[str, Encoded] | None = None, tensors: dict[str, TensorEntry] | None = None) -> Manifest:
     """The manifest from the plan, the ranks' values and what each rank wrote (its
     file, and the non-finite values it found): each tensor described by its layout
     (:mod:`shardpoint.format.layouts`). ``merged``: :func:`merge_values` of ``values``,
@@ -487,15 +484,15 @@ def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteSta
     tree = _tree(plan.containers, merge_values(plan, values) if merged is None else merged,
                  tensor_entries(plan) if tensors is None else tensors)
     for pkey in sorted({k for pr in plan.per_rank for k in pr}):
-        ranks: dict[str, Wire] = {}
+        ranks: dict[str, TreeDoc] = {}
         for r, pr in enumerate(plan.per_rank):
             d = pr.get(pkey)
             if d is not None:
                 sub = _tree(d["containers"], values[r]["per_rank"].get(pkey, {}),
                             _tensor_entries(d["tensors"], _per_rank_placed(d, r)))
-                ranks[str(r)] = sub.to_json()
-        tree.entries[pkey] = {"kind": "per_rank", "ranks": ranks}
-    files = {st.file: {"size": st.size, "rank": r, "index": st.index.wire()}
+                ranks[str(r)] = sub.doc()
+        tree.entries[pkey] = PerRankEntry(ranks)
+    files = {st.file: DataFile(st.size, r, IndexFile(st.index.name, st.index.size, st.index.sha256))
              for r, st in enumerate(statuses) if st.file is not None and st.index is not None}
     return Manifest(world_size=len(statuses), created=time.time(), save_id=save_id, tree=tree, files=files,
                     crc_block=CRC_BLOCK, library_version=__version__,
@@ -516,7 +513,7 @@ class CachedPlan:
     plan: Plan
     #: :func:`tensor_entries` of ``plan``, made by the first manifest built from it (a
     #: manifest is serialised, never edited: later saves of the layout share them).
-    tensors: dict[str, Wire] | None = None
+    tensors: dict[str, TensorEntry] | None = None
 
 
 def _combined(digests: list[str]) -> str:

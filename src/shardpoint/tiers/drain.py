@@ -133,10 +133,10 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
         owner.check(what)
     if job.files is None:
         for name, entry in man.files.items():
-            _copy(src, dst, name, int(entry["size"]), alive)
-            idx: Any = entry.get("index")
-            if isinstance(idx, dict):
-                _copy(src, dst, str(idx["name"]), int(idx["size"]), alive, str(idx["sha256"]))
+            _copy(src, dst, name, entry.size, alive)
+            idx = entry.index
+            if idx is not None:
+                _copy(src, dst, idx.name, idx.size, alive, idx.sha256)
     else:  # the other hosts' parts are checked by the commit: never a partial checkpoint
         for rel, name, size, sha in job.files:
             _copy(src, dst, str(name), int(size), alive, sha, str(rel))

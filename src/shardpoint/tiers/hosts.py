@@ -23,7 +23,9 @@ from typing import Any
 
 import msgspec
 
+from ..errors import CorruptCheckpointError
 from ..format.manifest import MANIFEST_NAME
+from ..format.model import DataFile
 from .replicate import Move
 
 #: Sub-folders of a host's step folder: replicas received for other hosts' ranks, files
@@ -99,20 +101,22 @@ class Hosts:
         return out
 
 
-def rank_files(manifest_files: Mapping[str, Any]) -> dict[int, list[list[Any]]]:
+def rank_files(manifest_files: Mapping[str, DataFile]) -> dict[int, list[list[Any]]]:
     """Saving rank -> the file specs of the files it wrote (its data file, then its
-    index), from a manifest's ``files`` table."""
+    index), from a manifest's ``files`` table (version 2: every file names its rank)."""
     out: dict[int, list[list[Any]]] = {}
     for name, entry in sorted(manifest_files.items()):
-        specs = out.setdefault(int(entry["rank"]), [])
-        specs.append([name, name, int(entry["size"]), None])
-        idx = entry.get("index")
-        if isinstance(idx, dict):
-            specs.append([str(idx["name"]), str(idx["name"]), int(idx["size"]), str(idx["sha256"])])
+        if entry.rank is None:
+            raise CorruptCheckpointError(f"{name}: the manifest names no saving rank for it (a snapshot is format version 2)")
+        specs = out.setdefault(entry.rank, [])
+        specs.append([name, name, entry.size, None])
+        idx = entry.index
+        if idx is not None:
+            specs.append([idx.name, idx.name, idx.size, idx.sha256])
     return out
 
 
-def needed(manifest_files: Mapping[str, Any]) -> dict[str, int]:
+def needed(manifest_files: Mapping[str, DataFile]) -> dict[str, int]:
     """Every file a snapshot consists of (data files and indexes), with its size."""
     return {spec[1]: spec[2] for specs in rank_files(manifest_files).values() for spec in specs}
 

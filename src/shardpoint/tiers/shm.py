@@ -174,10 +174,9 @@ class JobArea:
         except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
             return None
         for name, entry in man.files.items():
-            sizes: list[tuple[str, Any]] = [(name, entry.get("size"))]
-            idx: Any = entry.get("index")
-            if isinstance(idx, dict):
-                sizes.append((idx["name"], idx["size"]))
+            sizes: list[tuple[str, Any]] = [(name, entry.size)]
+            if entry.index is not None:
+                sizes.append((entry.index.name, entry.index.size))
             for n, size in sizes:
                 try:
                     if os.path.getsize(os.path.join(st.inner.root, n)) != size:
@@ -285,8 +284,7 @@ class JobArea:
                               metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
                               manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
                               need=needed(man.files), data=sorted(man.files),
-                              sha={f["index"]["name"]: f["index"]["sha256"] for f in man.files.values()
-                                   if isinstance(f.get("index"), dict)})
+                              sha={f.index.name: f.index.sha256 for f in man.files.values() if f.index is not None})
             except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
                 pass
             have: dict[str, tuple[int, str]] = {}

@@ -463,7 +463,7 @@ class Tiers:
                 self._pass(at, f"it cannot be gathered on every host ({e})")
                 continue
             try:  # every host holds it once gathered; if it cannot be read here, the load says so on every rank
-                sizes = {n: int(e["size"]) for n, e in read_manifest(storage).files.items()}
+                sizes = {n: e.size for n, e in read_manifest(storage).files.items()}
             except (ShardpointError, OSError):
                 sizes = {}
             view = TieredView(storage, sizes)

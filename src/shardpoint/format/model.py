@@ -1,0 +1,154 @@
+"""The manifest's typed records: one per entry kind, per data file and per index,
+decoded and checked by msgspec in C (types, ranges, the entry's ``kind``, a
+container's type), so what is left to check in Python is what a schema cannot say
+(a layout tiles its shape, a rank is one of the saving job's, a key sits under its
+parent). :meth:`shardpoint.format.manifest.Manifest.parse` decodes a manifest into
+:class:`Document`; a save builds the same records and writes them
+(:meth:`~shardpoint.format.manifest.Manifest.to_bytes`), so the JSON of docs/format.md
+has exactly one model in the code.
+
+Field order is the order a save writes (the manifest's bytes are pinned by the
+format tests); defaults are left out of what is written.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = [
+    "COUNT_LIMIT", "Checksum", "Count", "DataFile", "Document", "Entry", "FlatRange", "Grid", "Health",
+    "IndexFile", "ListedChunk", "PerRankEntry", "RankStep", "TensorEntry", "TreeDoc", "ValueEntry", "kind_of",
+]
+
+#: Offsets, lengths and other counts in an index or a manifest lie below this.
+COUNT_LIMIT = 1 << 62
+#: Most dimensions a tensor entry's shape may have.
+MAX_DIMS = 64
+
+Count = Annotated[int, msgspec.Meta(ge=0, lt=COUNT_LIMIT)]
+ContainerType = Literal["dict", "list", "tuple"]
+
+
+class IndexFile(msgspec.Struct, frozen=True, gc=False):
+    """The index object beside a data file, as the manifest commits it (version 2)."""
+
+    name: str
+    size: Count
+    sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class DataFile(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """A data file of the checkpoint: its size and (version 2) the saving rank that
+    wrote it and its index."""
+
+    size: Count
+    rank: int | None = None
+    index: IndexFile | None = None
+
+
+class RankStep(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
+    """A grid's cells in ranks ``first + i * step``."""
+
+    first: int
+    step: int
+
+
+class Grid(msgspec.Struct, frozen=True, gc=False):
+    """Chunks that are the cells of a grid (docs/format.md: ``grid``)."""
+
+    cuts: list[int | list[int]]
+    """Per dimension, a piece size or the explicit cut points."""
+    ranks: list[int] | RankStep
+    """The rank whose data file holds each cell, in row-major cell order."""
+
+
+#: ``[start, stop, rank]``: a range of the tensor's row-major flattening (``flat``).
+FlatRange = tuple[int, int, int]
+
+
+class ListedChunk(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """One chunk of a ``chunks`` layout: its box and the rank whose file holds it
+    (version 2), or its box and where its bytes lie (version 1)."""
+
+    offsets: list[int]
+    sizes: list[int]
+    rank: int | None = None
+    file: str | None = None
+    offset: Count | None = None
+    length: Count | None = None
+    crc32: list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]] | None = None
+
+
+class TensorEntry(msgspec.Struct, tag="tensor", tag_field="kind", frozen=True, gc=False, omit_defaults=True):
+    """A tensor: dtype, global shape and exactly one of ``grid``, ``flat``,
+    ``chunks`` (version 1: always ``chunks``, each with its place)."""
+
+    dtype: str
+    shape: Annotated[list[Count], msgspec.Meta(max_length=MAX_DIMS)]
+    numpy: bool = False
+    """Saved from a numpy array (restored as one)."""
+    grid: Grid | None = None
+    flat: list[FlatRange] | None = None
+    chunks: list[ListedChunk] | None = None
+
+
+class ValueEntry(msgspec.Struct, tag="value", tag_field="kind", frozen=True, gc=False):
+    """A plain value, encoded ``[type, payload]`` (:func:`~shardpoint.format.manifest.encode_value`)."""
+
+    value: list[Any]
+
+
+class PerRankEntry(msgspec.Struct, tag="per_rank", tag_field="kind", frozen=True, gc=False):
+    """A value each saving rank saved its own of: one sub-tree per rank."""
+
+    ranks: dict[str, TreeDoc]
+
+
+class TreeDoc(msgspec.Struct, frozen=True, gc=False):
+    """The keys of a (sub)tree as written: container types and leaf entries."""
+
+    containers: dict[str, ContainerType]
+    entries: dict[str, Entry]
+
+
+Entry = TensorEntry | ValueEntry | PerRankEntry
+
+
+def kind_of(e: Entry) -> str:
+    """An entry's ``kind`` as the manifest writes it (``tensor``, ``value``, ``per_rank``)."""
+    return str(e.__struct_config__.tag)
+
+
+class Checksum(msgspec.Struct, frozen=True, gc=False):
+    algorithm: Literal["crc32"]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+
+
+class Health(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """What the save found non-finite, and the caller's metrics (``shardpoint.health``)."""
+
+    nonfinite: list[str] = []
+    nan: list[str] | None = None
+    roles: dict[str, str] = {}
+    metrics: dict[str, float | str] = {}
+
+
+class Document(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
+    """A whole manifest as written (docs/format.md, section 2)."""
+
+    seal: str | None = None
+    """The seal member (read, never written from here: :func:`~.digest.seal` puts it first)."""
+    format: str
+    version: int
+    library_version: str = ""
+    created: float = 0.0
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    save_id: str = ""
+    checksum: Checksum
+    files: dict[str, DataFile]
+    containers: dict[str, ContainerType]
+    entries: dict[str, Entry]
+    refs: dict[str, dict[str, Count]] = {}
+    health: Health | None = None
