@@ -13,9 +13,12 @@ import pytest
 
 from shardpoint.format.manifest import MANIFEST_NAME
 from shardpoint.format.model import DataFile, IndexFile
+from shardpoint.tiers.drain import DrainJob
 from shardpoint.tiers.hosts import (
+    FileSpec,
     HostInventory,
     Hosts,
+    RestoreDecision,
     StepHolding,
     drain_parts,
     rank_files,
@@ -55,7 +58,7 @@ def files(world: int, sid: str = "s1", size: int = 100) -> dict[str, DataFile]:
 def test_replication_sends_the_state_times_replicas() -> None:
     h = Hosts.of(["a", "a", "b", "b"])
     saver = rank_files(files(4))
-    state = sum(s[2] for specs in saver.values() for s in specs)
+    state = sum(s.size for specs in saver.values() for s in specs)
     for k in (1, 3):
         moves = replica_plan(h, saver, k)
         assert sum(m.size for m in moves) == state * min(k, 1)  # two hosts: at most one other
@@ -108,14 +111,22 @@ def test_restore_fetches_the_manifest_and_indexes_a_host_lacks_from_one_that_has
     assert got == want | {(MANIFEST_NAME, True, True, MANIFEST_NAME)}
     assert cand.fetch[-1].name == MANIFEST_NAME  # the manifest last
     # re-draining the restored step: each file from the first host that holds it whole (A holds all of it)
-    assert redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5) is not None
-    step, sid, parts = redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5)  # type: ignore[misc]
-    assert (step, sid, list(parts)) == (7, "s7", [0])
+    r = redrain_parts(two, [inv_a, inv_b], cand, [5, 7], 5)
+    assert r is not None and (r.step, r.save_id, list(r.parts)) == (7, "s7", [0])
     assert redrain_parts(two, [inv_a, inv_b], cand, [5], 5) is None  # already durable
     # host A holds only its own files: B's part of the redrain comes from B
     inv_a2 = inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([3], "s7", "replicas")})
-    step, sid, parts = redrain_parts(two, [inv_a2, inv_b], cand, [5, 7], 5)  # type: ignore[misc]
-    assert sorted(parts) == [0, 1] and sorted(s[1] for s in parts[1]) == sorted(host_files([2], "s7"))
+    r = redrain_parts(two, [inv_a2, inv_b], cand, [5, 7], 5)
+    assert r is not None and sorted(r.parts) == [0, 1]
+    assert sorted(f.name for f in r.parts[1]) == sorted(host_files([2], "s7"))
+    # rank 0's decision travels as JSON and comes back the same records (int keys, files typed)
+    decision = RestoreDecision({3: "unhealthy"}, [7], [msgspec.structs.replace(cand, redrain=r)])
+    back = RestoreDecision.from_wire(decision.wire())
+    assert back == decision and isinstance(back.cands[0].redrain.parts[1][0], FileSpec)  # type: ignore[union-attr]
+    # and a host's part of the drain reaches the helper process as the same file specs
+    job = DrainJob(step=7, src="/s", root="/r", folder="step-7", files=r.parts[1], commit=False, save_id="s7")
+    assert DrainJob.from_wire(job.wire()) == job and DrainJob.from_wire(
+        DrainJob(step=7, src="/s", root="/r", folder="step-7").wire()).files is None
 
 
 def test_inventory_never_lists_half_written_files(tmp_path: Path) -> None:

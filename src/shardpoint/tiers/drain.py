@@ -18,8 +18,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import IO, Any
+
+import msgspec
 
 from ..errors import CorruptCheckpointError, MemoryTierError, ShardpointError
 from ..format.manifest import MANIFEST_NAME
@@ -28,6 +30,7 @@ from ..saving.commit import commit_checkpoint
 from ..saving.fence import Owner
 from ..storage import Storage, storage_for
 from ..storage.local import LocalStorage
+from .hosts import FileSpec
 
 BLOCK = 8 << 20
 
@@ -43,8 +46,8 @@ class DrainJob:
     None: unfenced), whose ``latest`` is pointed at the folder once it is committed.
 
     ``files``: None copies every file the snapshot's manifest names from the snapshot
-    folder; else only these file specs ``[relpath, name, size, sha256 or None]`` (this
-    host's part of a snapshot spread over hosts). ``commit``: write the manifest and
+    folder; else only these files (:class:`~.hosts.FileSpec`: this host's part of a
+    snapshot spread over hosts). ``commit``: write the manifest and
     ``latest`` once the files are there (with ``files`` given, only after checking that
     every file the manifest names is in the durable folder at its size)."""
 
@@ -54,17 +57,22 @@ class DrainJob:
     folder: str
     generation: int | None = None
     storage_options: dict[str, Any] | None = None
-    files: list[list[Any]] | None = None
+    files: list[FileSpec] | None = None
     commit: bool = True
     save_id: str | None = None
 
     def wire(self) -> str:
         """One JSON line for the helper process."""
-        return json.dumps(asdict(self))
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["files"] = msgspec.to_builtins(self.files)
+        return json.dumps(d)
 
     @staticmethod
     def from_wire(line: str) -> DrainJob:
-        return DrainJob(**json.loads(line))
+        """Back from :meth:`wire`."""
+        d = json.loads(line)
+        d["files"] = msgspec.convert(d["files"], list[FileSpec] | None)
+        return DrainJob(**d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +129,8 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
             pass
         if owner is not None:
             owner.check(what)
-        for rel, name, size, sha in job.files:
-            _copy(src, dst, str(name), int(size), alive, sha, str(rel))
+        for f in job.files:
+            _copy(src, dst, f.name, f.size, alive, f.sha256, f.rel)
         return
     man_bytes = bytes(src.read(MANIFEST_NAME))
     man = read_manifest(src)  # the seal is checked: a torn snapshot is never drained
@@ -138,8 +146,8 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
             if idx is not None:
                 _copy(src, dst, idx.name, idx.size, alive, idx.sha256)
     else:  # the other hosts' parts are checked by the commit: never a partial checkpoint
-        for rel, name, size, sha in job.files:
-            _copy(src, dst, str(name), int(size), alive, sha, str(rel))
+        for f in job.files:
+            _copy(src, dst, f.name, f.size, alive, f.sha256, f.rel)
     if not alive():
         raise DrainAborted(f"drain of step {job.step} stopped before its commit: the training process is gone")
     commit_checkpoint(dst, man, replace=True, owner=owner, latest=job.folder, data=man_bytes, what=what)

@@ -10,9 +10,9 @@ no torch.distributed.
   the load itself: :mod:`.peer`).
 * :func:`drain_parts`: which host copies which file of a snapshot to the durable root.
 
-Transfers are :class:`~.replicate.Move` records. A *file spec* is ``[relpath, name, size, sha256 or None]``: where the file lies in a
-host's step folder (``name``, ``replicas/<name>`` or ``fetched/<name>``), the name it
-has in the checkpoint, its size, and for an index the SHA-256 its manifest records.
+Every record is typed (msgspec Structs, as they travel): transfers are
+:class:`~.replicate.Move`, files a host holds :class:`FileSpec`, a host's holdings
+:class:`StepHolding`, and rank 0's restore decision :class:`RestoreDecision`.
 """
 
 from __future__ import annotations
@@ -101,27 +101,39 @@ class Hosts:
         return out
 
 
-def rank_files(manifest_files: Mapping[str, DataFile]) -> dict[int, list[list[Any]]]:
+class FileSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One file of a snapshot where one host holds it: ``rel``, where it lies in the
+    host's step folder (``name``, ``replicas/<name>`` or ``fetched/<name>``); ``name``,
+    the name it has in the checkpoint; its ``size``; and for an index the SHA-256 its
+    manifest records (``sha256``; None for a data file, whose chunks carry CRCs)."""
+
+    rel: str
+    name: str
+    size: int
+    sha256: str | None = None
+
+
+def rank_files(manifest_files: Mapping[str, DataFile]) -> dict[int, list[FileSpec]]:
     """Saving rank -> the file specs of the files it wrote (its data file, then its
     index), from a manifest's ``files`` table (version 2: every file names its rank)."""
-    out: dict[int, list[list[Any]]] = {}
+    out: dict[int, list[FileSpec]] = {}
     for name, entry in sorted(manifest_files.items()):
         if entry.rank is None:
             raise CorruptCheckpointError(f"{name}: the manifest names no saving rank for it (a snapshot is format version 2)")
         specs = out.setdefault(entry.rank, [])
-        specs.append([name, name, entry.size, None])
+        specs.append(FileSpec(name, name, entry.size))
         idx = entry.index
         if idx is not None:
-            specs.append([idx.name, idx.name, idx.size, idx.sha256])
+            specs.append(FileSpec(idx.name, idx.name, idx.size, idx.sha256))
     return out
 
 
 def needed(manifest_files: Mapping[str, DataFile]) -> dict[str, int]:
     """Every file a snapshot consists of (data files and indexes), with its size."""
-    return {spec[1]: spec[2] for specs in rank_files(manifest_files).values() for spec in specs}
+    return {spec.name: spec.size for specs in rank_files(manifest_files).values() for spec in specs}
 
 
-def replica_plan(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]], replicas: int) -> list[Move]:
+def replica_plan(hosts: Hosts, saver_files: Mapping[int, list[FileSpec]], replicas: int) -> list[Move]:
     """The transfers of a snapshot's replication, in one order every rank computes
     alike. ``saver_files``: the files each rank wrote (:func:`rank_files`); ranks are
     those of the saving group."""
@@ -129,14 +141,14 @@ def replica_plan(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]], repli
     for rank in sorted(saver_files):
         for dst in hosts.targets(rank, replicas):
             for spec in saver_files[rank]:
-                out.append(Move(spec[0], spec[1], spec[2], rank, dst, f"{REPLICAS}/{spec[1]}"))
+                out.append(Move(spec.rel, spec.name, spec.size, rank, dst, f"{REPLICAS}/{spec.name}"))
     return out
 
 
-def drain_parts(hosts: Hosts, saver_files: Mapping[int, list[list[Any]]]) -> dict[int, list[list[Any]]]:
+def drain_parts(hosts: Hosts, saver_files: Mapping[int, list[FileSpec]]) -> dict[int, list[FileSpec]]:
     """Host -> the file specs it drains to the durable root right after the snapshot:
     each host its own ranks' files, read from its own memory."""
-    parts: dict[int, list[list[Any]]] = {}
+    parts: dict[int, list[FileSpec]] = {}
     for rank, specs in saver_files.items():
         parts.setdefault(hosts.of_rank[rank], []).extend(specs)
     return parts
@@ -176,24 +188,44 @@ class StepHolding(msgspec.Struct, frozen=True, kw_only=True):
 HostInventory = dict[str, StepHolding]
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Redrain(msgspec.Struct, frozen=True):
+    """After a restore: the step to drain again (``save_id``: its snapshot's), and which
+    host copies which of its files (``parts``: host -> file specs)."""
+
+    step: int
+    save_id: str
+    parts: dict[int, list[FileSpec]]
+
+
+class Candidate(msgspec.Struct, frozen=True):
     """A step restorable in full from the present hosts, and how: ``fetch``, the whole
     files each host lacks (the manifest, the indexes; data files too for an inventory
-    that does not say which files are data) copied from a host that has them."""
+    that does not say which files are data) copied from a host that has them;
+    ``redrain``, what to drain again once it is restored (None: nothing)."""
 
     step: int
     save_id: str
     fetch: list[Move]
+    redrain: Redrain | None = None
 
-    def wire(self) -> dict[str, Any]:
-        """As JSON (rank 0 sends the plan to every rank)."""
-        return {"step": self.step, "save_id": self.save_id, "fetch": msgspec.to_builtins(self.fetch)}
+
+class RestoreDecision(msgspec.Struct, frozen=True):
+    """Rank 0's decision of a restore from memory, for every rank: the snapshots passed
+    over (step -> why), the steps the hosts hold in full, and the candidates, newest
+    first. Travels as JSON (:meth:`wire`, :meth:`from_wire`)."""
+
+    passed: dict[int, str]
+    restorable: list[int]
+    cands: list[Candidate]
+
+    def wire(self) -> str:
+        """As one JSON string."""
+        return msgspec.json.encode(self).decode()
 
     @staticmethod
-    def from_wire(d: Mapping[str, Any]) -> Candidate:
+    def from_wire(data: str) -> RestoreDecision:
         """Back from :meth:`wire`."""
-        return Candidate(int(d["step"]), str(d["save_id"]), msgspec.convert(d["fetch"], list[Move]))
+        return msgspec.json.decode(data, type=RestoreDecision)
 
 
 def unhealthy(step: int, entry: StepHolding) -> str:
@@ -267,7 +299,7 @@ def restore_plan(hosts: Hosts, inventories: Sequence[HostInventory], durable: in
 
 
 def redrain_parts(hosts: Hosts, inventories: Sequence[HostInventory], chosen: Candidate,
-                  due: Sequence[int], durable: int | None) -> tuple[int, str, dict[int, list[list[Any]]]] | None:
+                  due: Sequence[int], durable: int | None) -> Redrain | None:
     """After restoring ``chosen``: the newest step due for durability (in ``due``),
     newer than ``durable`` and not newer than the restored step, whose snapshot is
     whole on the present hosts and whose manifest rank 0's host holds (or gets, for
@@ -286,14 +318,14 @@ def redrain_parts(hosts: Hosts, inventories: Sequence[HostInventory], chosen: Ca
             st0 = inventories[0].get(str(step))
             if st0 is None or st0.save_id is None or not st0.healthy:
                 continue
-        parts: dict[int, list[list[Any]]] = {}
+        parts: dict[int, list[FileSpec]] = {}
         for name, size in (st0.need or {}).items():
             for h in range(len(inventories)):
                 got = inventories[h].get(str(step), nothing).have.get(name)
                 if got is not None and got[0] == size:
-                    parts.setdefault(h, []).append([got[1], name, size, st0.sha.get(name)])
+                    parts.setdefault(h, []).append(FileSpec(got[1], name, size, st0.sha.get(name)))
                     break
             else:
                 return None
-        return step, str(st0.save_id), parts
+        return Redrain(step, str(st0.save_id), parts)
     return None

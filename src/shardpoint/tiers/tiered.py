@@ -51,8 +51,11 @@ from .config import MemoryTier, job_identity
 from .drain import Drainer, DrainJob, DrainResult
 from .hosts import (
     Candidate,
+    FileSpec,
     HostInventory,
     Hosts,
+    Redrain,
+    RestoreDecision,
     StepHolding,
     drain_parts,
     needed,
@@ -308,7 +311,7 @@ class Tiers:
         self.replication.clear()
 
     # -- drain -----------------------------------------------------------------------
-    def _drain_parts(self, comm: Comm, step: int, save_id: str, parts: dict[int, list[list[Any]]], *,
+    def _drain_parts(self, comm: Comm, step: int, save_id: str, parts: dict[int, list[FileSpec]], *,
                      whole: bool) -> None:
         """Start the drain of ``step`` (every rank calls it alike; no collective):
         ``parts`` says which host copies which files. All on rank 0's host: rank 0's
@@ -329,7 +332,7 @@ class Tiers:
                 self._collect(wait=True)
             self.drainer.start(self._job(step, parts[h], commit=False, save_id=save_id))
 
-    def _job(self, step: int, files: list[list[Any]] | None, *, commit: bool, save_id: str | None = None) -> DrainJob:
+    def _job(self, step: int, files: list[FileSpec] | None, *, commit: bool, save_id: str | None = None) -> DrainJob:
         return DrainJob(step=step, src=self.area.path(step), root=self.root, folder=self.folder(step),
                         generation=self.owner().generation if commit else None,
                         storage_options=self.storage_options, files=files,
@@ -442,18 +445,18 @@ class Tiers:
         hosts = self._open(comm, create=False)  # a restore that finds nothing leaves no folder behind
         leader = self._leader(comm)
         # each host's inventory to rank 0, which plans; its plan (or its error: a caller's accept= may raise) to all
-        plan = agree(comm, msgspec.to_builtins(self.area.inventory()) if leader else None, None,
-                     lambda got: self._plan(hosts, got, durable_step, judge, step, root_newest))
-        self.restorable = list(plan["restorable"])
+        plan = RestoreDecision.from_wire(
+            agree(comm, msgspec.to_builtins(self.area.inventory()) if leader else None, None,
+                  lambda got: self._plan(hosts, got, durable_step, judge, step, root_newest).wire()))
+        self.restorable = list(plan.restorable)
         self.passed = {}
-        unfit: dict[int, str] = {int(st): str(why) for st, why in plan["passed"].items()}
-        ready: dict[int, dict[str, Any]] = {int(c["step"]): c for c in plan["cands"]}
+        unfit = plan.passed
+        ready = {c.step: c for c in plan.cands}
         for at in sorted({*unfit, *ready}, reverse=True):  # newest first; older ones are never reached
             if at in unfit:
                 self._pass(at, unfit[at])
                 continue
-            wire = ready[at]
-            cand = Candidate.from_wire(wire)
+            cand = ready[at]
             storage = self.area.storage(cand.step)
             try:
                 self._gather(comm, cand, storage, leader)
@@ -488,7 +491,7 @@ class Tiers:
             report.step = cand.step
             report.passed_over = dict(self.passed)
             pieces = {n: self.area.origin(cand.step, n) for n in sorted(view.names) if n != MANIFEST_NAME}
-            self._after_memory_restore(comm, cand.step, wire.get("redrain"))
+            self._after_memory_restore(comm, cand.step, cand.redrain)
             received = sum(m.size for m in cand.fetch if m.dst == comm.rank and m.src != m.dst)
             return TieredLoadReport.of(report, "memory", storage.inner.root, pieces,
                                        received=received + (fetch.received if fetch is not None else 0),
@@ -497,10 +500,10 @@ class Tiers:
 
     def _plan(self, hosts: Hosts, got: list[Any], durable_step: int | None,
               judge: Callable[[int, StepHolding], str], step: int | None,
-              root_newest: int | None) -> dict[str, Any]:
+              root_newest: int | None) -> RestoreDecision:
         """Rank 0: from every host's inventory, the snapshots passed over (why), the
-        steps held in full, and the candidates in order with their re-drains (JSON,
-        for every rank)."""
+        steps held in full, and the candidates in order with their re-drains (for every
+        rank)."""
         invs = [msgspec.convert(got[hosts.leader(h)], HostInventory) for h in range(len(hosts))]
         self._invs = invs  # the holdings of the step chosen: its byte ranges are planned from them
         cands, passed = restore_plan(hosts, invs, durable_step, judge)
@@ -508,12 +511,9 @@ class Tiers:
         if step is not None:  # an explicit step: exactly that one, whatever is newer
             cands, passed = [c for c in cands if c.step == step], {s: w for s, w in passed.items() if s == step}
         due = sorted({int(s) for inv in invs for s in inv if self.tier.due(int(s))[1]})
-        wired: list[dict[str, Any]] = []
-        for c in cands:
-            redrain = redrain_parts(hosts, invs, c, due, durable_step if root_newest is None else root_newest)
-            wired.append({**c.wire(), "redrain": None if redrain is None else
-                          [redrain[0], redrain[1], {str(h): p for h, p in redrain[2].items()}]})
-        return {"passed": {str(s): w for s, w in passed.items()}, "restorable": restorable, "cands": wired}
+        redrained = [msgspec.structs.replace(c, redrain=redrain_parts(
+            hosts, invs, c, due, durable_step if root_newest is None else root_newest)) for c in cands]
+        return RestoreDecision(passed, restorable, redrained)
 
     def _pass(self, step: int, why: str) -> None:
         """A snapshot the ladder does not restore: noted in :attr:`passed`, and warned."""
@@ -546,7 +546,7 @@ class Tiers:
             error = e
         agree(comm, None, error)
 
-    def _after_memory_restore(self, comm: Comm, step: int, redrain: list[Any] | None) -> None:
+    def _after_memory_restore(self, comm: Comm, step: int, redrain: Redrain | None) -> None:
         """Snapshots newer than the restored one belong to an abandoned future and go
         (on every host); the newest snapshot due for durability that the root lacks
         (its drain was cut by the crash) is drained again, from wherever its pieces are."""
@@ -555,8 +555,7 @@ class Tiers:
                 if s > step:
                     self.area.remove(s)
         if redrain is not None:
-            rstep, sid, parts = redrain
-            self._drain_parts(comm, int(rstep), str(sid), {int(h): p for h, p in parts.items()}, whole=False)
+            self._drain_parts(comm, redrain.step, redrain.save_id, redrain.parts, whole=False)
 
     def after_durable_restore(self, step: int | None) -> None:
         """After a restore from the root (collective): every host drops the snapshots
