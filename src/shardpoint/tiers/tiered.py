@@ -84,6 +84,21 @@ def no_space(e: BaseException) -> bool:
     return "[Errno 28]" in str(e) or "No space left on device" in str(e)
 
 
+class _PartDone(msgspec.Struct, frozen=True, array_like=True):
+    """One rank's word on its host's part of a drain spread over hosts (every rank
+    not draining a part: done)."""
+
+    done: bool
+    error: str | None = None
+
+
+class _PartsDone(msgspec.Struct, frozen=True, array_like=True):
+    """Rank 0's verdict on the parts: all done, and the hosts' errors."""
+
+    done: bool
+    errors: list[str]
+
+
 @dataclass(frozen=True, slots=True)
 class _Pending:
     """A drain spread over hosts: each host in ``hosts`` copies its part; rank 0 commits
@@ -350,25 +365,26 @@ class Tiers:
         if p is None:
             return
         assert self.hosts is not None
-        mine: dict[str, Any] = {"done": True, "error": None}
+        mine = _PartDone(True)
         if self._leader(comm) and self.hosts.of_rank[comm.rank] in p.hosts:
             if self._part is None:
                 self._part = self.drainer.wait() if wait else self.drainer.poll()
-            mine = {"done": self._part is not None, "error": self._part.error if self._part is not None else None}
+            mine = _PartDone(self._part is not None, self._part.error if self._part is not None else None)
         hosts = self.hosts
 
-        def merge(everyone: list[Any]) -> dict[str, Any]:
-            return {"done": all(e["done"] for e in everyone),
-                    "errors": [f"host {hosts.names[hosts.of_rank[r]]}: {e['error']}" for r, e in enumerate(everyone)
-                               if e["error"]]}
+        def merge(everyone: list[Any]) -> list[Any]:
+            parts = [msgspec.convert(e, _PartDone) for e in everyone]
+            return msgspec.to_builtins(_PartsDone(all(e.done for e in parts), [
+                f"host {hosts.names[hosts.of_rank[r]]}: {e.error}" for r, e in enumerate(parts) if e.error]))
 
-        verdict = agree(comm, mine, None, merge)  # every host's part, to rank 0, and one answer back
-        if not verdict["done"]:
+        # every host's part, to rank 0, and one answer back
+        verdict = msgspec.convert(agree(comm, msgspec.to_builtins(mine), None, merge), _PartsDone)
+        if not verdict.done:
             return
         self._pending, self._part = None, None
         if comm.rank != 0:
             return
-        errors = verdict["errors"]
+        errors = verdict.errors
         if errors:
             self.failed[p.step] = "; ".join(errors)
             warnings.warn(f"shardpoint: step {p.step} was not made durable under {self.root}: {'; '.join(errors)}. "
