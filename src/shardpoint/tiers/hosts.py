@@ -7,7 +7,8 @@ no torch.distributed.
 * :func:`restore_plan`: from every present host's inventory, the steps restorable in
   full (newest first), each with the transfers that give every host the manifest and
   the indexes (the byte ranges of data files each host's ranks read are fetched by
-  the load itself: :mod:`.peer`).
+  the load itself: :mod:`.peer`), and the files no present host holds that the
+  durable root's copy of the same save supplies (the last rung of the ladder).
 * :func:`drain_parts`: which host copies which file of a snapshot to the durable root.
 
 Every record is typed (msgspec Structs, as they travel): transfers are
@@ -198,15 +199,19 @@ class Redrain(msgspec.Struct, frozen=True):
 
 
 class Candidate(msgspec.Struct, frozen=True):
-    """A step restorable in full from the present hosts, and how: ``fetch``, the whole
-    files each host lacks (the manifest, the indexes; data files too for an inventory
-    that does not say which files are data) copied from a host that has them;
+    """A step restorable in full from the present hosts (and the root), and how:
+    ``fetch``, the whole files each host lacks (the manifest, the indexes; data files
+    too for an inventory that does not say which files are data) copied from a host
+    that has them; ``durable``, the files no present host holds, read from the durable
+    root's checkpoint of the same step and save (a drained snapshot is byte-identical
+    to its memory copy): the byte ranges the loads read of them, the indexes whole;
     ``redrain``, what to drain again once it is restored (None: nothing)."""
 
     step: int
     save_id: str
     fetch: list[Move]
     redrain: Redrain | None = None
+    durable: list[str] = []
 
 
 class RestoreDecision(msgspec.Struct, frozen=True):
@@ -237,6 +242,7 @@ def unhealthy(step: int, entry: StepHolding) -> str:
 
 def restore_plan(hosts: Hosts, inventories: Sequence[HostInventory], durable: int | None,
                  judge: Callable[[int, StepHolding], str] = unhealthy,
+                 rooted: Callable[[int, str], bool] | None = None,
                  ) -> tuple[list[Candidate], dict[int, str]]:
     """The steps restorable in full from what the present hosts hold, newest first, and
     the steps passed over with why.
@@ -244,10 +250,14 @@ def restore_plan(hosts: Hosts, inventories: Sequence[HostInventory], durable: in
     ``inventories[h]`` is host ``h``'s (:class:`StepHolding` per step). A step is restorable
     when some host holds a manifest of it that ``judge(step, inventory entry)`` finds
     fit (it returns why not, "" when fit; by default: healthy), it is at least as new
-    as ``durable``, and every file its manifest names is on some host at its size.
-    The manifest and the indexes (every file but those in ``data``) are fetched from
-    the first host (by host order, rotating over its ranks) that has them, into
-    ``fetched/`` on each host that lacks them; data files are read by byte range."""
+    as ``durable``, and every file its manifest names is on some host at its size, or,
+    for the files on no present host, ``rooted(step, save_id)`` says the durable root
+    holds that step committed by the same save (asked only then): those files are read
+    from there (:attr:`Candidate.durable`), the rest from memory and peers.
+    The manifest and the indexes (every file but those in ``data``) that some host
+    holds are fetched from the first host (by host order, rotating over its ranks)
+    that has them, into ``fetched/`` on each host that lacks them; data files are read
+    by byte range."""
     by_step: dict[tuple[int, str], list[int]] = {}  # (step, save id) -> hosts holding its manifest
     for h, inv in enumerate(inventories):
         for key, st in inv.items():
@@ -277,13 +287,15 @@ def restore_plan(hosts: Hosts, inventories: Sequence[HostInventory], durable: in
                 if need.get(name) == size and name != MANIFEST_NAME:
                     where.setdefault(name, []).append((h, rel))
         lost = sorted(n for n in need if n not in where)
-        if lost:
-            passed.setdefault(step, f"{len(lost)} of its files are on no present host (e.g. {lost[0]})")
+        if lost and (rooted is None or not rooted(step, sid)):
+            passed.setdefault(step, f"{len(lost)} of its files are on no present host (e.g. {lost[0]}), and the "
+                                    "durable root holds no copy of this save of it")
             continue
         fetch: list[Move] = []
         turn = 0
         data = set(first.data)
-        for name in sorted((n for n in need if n not in data), key=lambda n: n == MANIFEST_NAME):  # the manifest last
+        for name in sorted((n for n in need if n not in data and n in where),
+                           key=lambda n: n == MANIFEST_NAME):  # the manifest last
             holders_of = {h: rel for h, rel in reversed(where[name])}
             src_h = min(holders_of)
             for h in range(len(hosts)):
@@ -294,7 +306,7 @@ def restore_plan(hosts: Hosts, inventories: Sequence[HostInventory], durable: in
                 rel = name if name == MANIFEST_NAME else f"{FETCHED}/{name}"
                 fetch.append(Move(holders_of[src_h], name, need[name], src, dst, rel))
                 turn += 1
-        out.append(Candidate(step, sid, fetch))
+        out.append(Candidate(step, sid, fetch, durable=lost))
     return out, passed
 
 

@@ -14,12 +14,15 @@ lane (:func:`.replicate.transfer`: a holder serves a range from a memory map of 
 file; the receiver writes ``ranges/<name>/<start>-<stop>`` under a temporary name
 and renames it whole); then every rank's load reads through its host's
 :class:`~.view.TieredView`. A replacement host (empty) is the same restore: it holds
-nothing, so it fetches exactly what its ranks read.
+nothing, so it fetches exactly what its ranks read. Files no present host holds,
+when the durable root holds the same save of the step (:attr:`.hosts.Candidate.durable`),
+are not moved: each rank's load reads its ranges of them from the root, through the
+same view (the ladder per file: this host's memory, a peer's, the durable root).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -44,13 +47,16 @@ class Wants(msgspec.Struct, frozen=True, array_like=True):
 
 class Order(msgspec.Struct, frozen=True, array_like=True):
     """Rank 0's answer to one rank: the moves it sends or receives (tagged), what its
-    host's ranks need of files it lacks (exact bytes, each byte once) and will
-    receive; or why the ranges cannot be had (``missing``, the same on every rank)."""
+    host's ranks need of files it lacks that peers hold (exact bytes, each byte once)
+    and will receive, and what they need of files only the durable root holds
+    (``durable``, exact bytes, each byte once); or why the ranges cannot be had
+    (``missing``, the same on every rank)."""
 
     moves: list[Move]
     needed: int = 0
     incoming: int = 0
     missing: str = ""
+    durable: int = 0
 
 
 def _merge(ranges: Sequence[FileRange]) -> list[FileRange]:
@@ -65,13 +71,15 @@ def _merge(ranges: Sequence[FileRange]) -> list[FileRange]:
 
 
 def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str, int],
-               wants: Sequence[Wants | None]) -> list[Order]:
+               wants: Sequence[Wants | None], durable: Collection[str] = ()) -> list[Order]:
     """Rank 0, pure: from each rank's :class:`Wants` (None: nothing) and each host's
     holdings of the step (its inventory entry: whole files and ranges), every rank's :class:`Order`.
     ``sizes``: the data files' sizes. Each host's ranks' ranges are merged (a byte two
     of its ranks read travels once); the holder of each (reader host, file) is chosen
     by :func:`~shardpoint.plan.restore.choose_sources`; senders and receivers rotate
-    over the holder's and the reader's ranks."""
+    over the holder's and the reader's ranks. A range no present host holds is read
+    from the durable root when its file is in ``durable`` (no move; the root holds
+    the same save), and makes the orders say ``missing`` otherwise."""
     n_hosts = len(hosts)
     read: list[list[FileRange]] = [[] for _ in range(n_hosts)]
     exact: list[list[FileRange]] = [[] for _ in range(n_hosts)]
@@ -80,7 +88,8 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str
             read[hosts.of_rank[rank]] += w.read
             exact[hosts.of_rank[rank]] += w.exact
     read = [_merge(r) for r in read]
-    needed = [sum(r.stop - r.start for r in _merge(e)) for e in exact]
+    needed = [sum(r.stop - r.start for r in _merge(e) if r.file not in durable) for e in exact]
+    rooted = [sum(r.stop - r.start for r in _merge(e) if r.file in durable) for e in exact]
     rows = [(h, r) for h in range(n_hosts) for r in read[h]]
     names = sorted(sizes)
     index = {n: i for i, n in enumerate(names)}
@@ -104,18 +113,18 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str
                       layout.offset, layout.offset + length)
         plan = choose_sources(layout, needs, NewWorld(np.arange(n_hosts, dtype=np.int32)), invs,
                               holder_verifies=False)  # the reader's load verifies every block it reads
-        lost = [rows[i] for i in np.nonzero(plan.source == DURABLE)[0].tolist()]
+        lost = [rows[i] for i in np.nonzero(plan.source == DURABLE)[0].tolist() if rows[i][1].file not in durable]
         if lost:
             h, r = lost[0]
             why = (f"bytes {r.start}..{r.stop} of {r.file} (read on host {hosts.names[h]}) are on no present host"
                    + (f", and {len(lost) - 1} more ranges" if len(lost) > 1 else ""))
             return [Order([], missing=why)] * len(hosts.of_rank)
-        moves = _moves(hosts, holdings, sizes, rows, plan.source.tolist())
+        moves = _moves(hosts, holdings, sizes, rows, plan.source.tolist())  # none from the root: each rank reads
         for m in tagged(moves):
             orders[m.src].append(m)
             orders[m.dst].append(m)
             incoming[hosts.of_rank[m.dst]] += m.size
-    return [Order(orders[r], needed[hosts.of_rank[r]], incoming[hosts.of_rank[r]])
+    return [Order(orders[r], needed[hosts.of_rank[r]], incoming[hosts.of_rank[r]], durable=rooted[hosts.of_rank[r]])
             for r in range(len(hosts.of_rank))]
 
 
@@ -126,7 +135,7 @@ def _moves(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str, in
     range that covers it."""
     groups: dict[tuple[int, str, int], list[FileRange]] = {}
     for (h, r), src in zip(rows, source):
-        if src != h:
+        if src not in (h, DURABLE):  # a range from the root is read there by the rank itself
             groups.setdefault((h, r.file, src), []).append(r)
     out: list[Move] = []
     turn = 0
@@ -151,15 +160,16 @@ class PeerFetch:
     """The ``fetch`` stage of a restore's load (:data:`shardpoint.load.pipeline.Fetch`):
     collective; see the module docstring. ``holdings`` (rank 0): each host's inventory
     entry of the step. After it ran: ``received``, the bytes this rank received;
-    ``needed``/``incoming``, its host's; ``failed``, whether the fetch (not the load's
-    own planning) failed, alike on every rank."""
+    ``needed``/``incoming``, its host's; ``durable``, what its host's ranks need of
+    the files the durable root supplies (``view.rooted``); ``failed``, whether the
+    fetch (not the load's own planning) failed, alike on every rank."""
 
     def __init__(self, comm: Comm, hosts: Hosts, view: TieredView, step: int,
                  holdings: Sequence[StepHolding] | None, make_folder: Callable[[], None] | None = None) -> None:
         self.comm, self.hosts, self.view, self.step = comm, hosts, view, step
         self.holdings = holdings
         self.make_folder = make_folder
-        self.received = self.needed = self.incoming = 0
+        self.received = self.needed = self.incoming = self.durable = 0
         self.failed = False
 
     def _wants(self, ranges: tuple[list[FileRange], list[FileRange]]) -> Wants:
@@ -173,7 +183,7 @@ class PeerFetch:
     def _decide(self, payloads: list[Any]) -> list[Any]:
         assert self.holdings is not None
         wants = [None if p is None else msgspec.convert(p, Wants) for p in payloads]
-        return msgspec.to_builtins(plan_fetch(self.hosts, self.holdings, self.view.file_sizes, wants))
+        return msgspec.to_builtins(plan_fetch(self.hosts, self.holdings, self.view.file_sizes, wants, self.view.rooted))
 
     def __call__(self, ranges: tuple[list[FileRange], list[FileRange]] | None, error: BaseException | None) -> None:
         comm, hosts = self.comm, self.hosts
@@ -187,7 +197,7 @@ class PeerFetch:
         if order.missing:
             self.failed = True
             raise MemoryTierError(f"memory snapshot {self.step}: {order.missing}")
-        self.needed, self.incoming = order.needed, order.incoming
+        self.needed, self.incoming, self.durable = order.needed, order.incoming, order.durable
         problems: list[str] = []
         err: BaseException | None = None
         gone: CollectiveMismatchError | None = None

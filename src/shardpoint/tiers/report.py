@@ -21,8 +21,10 @@ class TieredLoadReport(LoadReport):
         pieces: (memory) each checkpoint file this rank read, with where its bytes
             came from on this rank's host: ``"own"`` (written there by the save),
             ``"replica"`` (a copy replication put there for a rank of another host) or
-            ``"fetched"`` (copied from another host's memory by this restore). Empty
-            for a durable restore: every byte came from the root.
+            ``"fetched"`` (copied from another host's memory by this restore), or
+            ``"durable"`` (on no present host: read from the durable root's checkpoint
+            of the same step and save). Empty for a durable restore: every byte came
+            from the root.
         received: (memory) the bytes this rank received from other hosts' memory for
             this restore: the byte ranges of data files its host lacked that its
             host's ranks read, and the manifest or indexes when its host lacked them.
@@ -30,6 +32,11 @@ class TieredLoadReport(LoadReport):
             loads of its host's ranks need (each byte once, before rounding to
             checksum blocks): what the ranges received by the host's ranks carry, at
             least.
+        durable_read: (memory) the bytes this rank read from the durable root: of the
+            files no present host held, the byte ranges its load read (rounded to
+            checksum blocks, as any read) and the indexes it needed whole.
+        host_durable_needed: (memory, over several hosts) the bytes of those files
+            that the loads of its host's ranks need (each byte once, before rounding).
     """
 
     tier: str = "durable"
@@ -37,11 +44,15 @@ class TieredLoadReport(LoadReport):
     pieces: dict[str, str] = field(default_factory=dict)
     received: int = 0
     host_needed: int = 0
+    durable_read: int = 0
+    host_durable_needed: int = 0
 
     @staticmethod
     def of(report: LoadReport, tier: str, source: str, pieces: dict[str, str] | None = None, *,
-           received: int = 0, host_needed: int = 0) -> TieredLoadReport:
+           received: int = 0, host_needed: int = 0, durable_read: int = 0,
+           host_durable_needed: int = 0) -> TieredLoadReport:
         """``report`` with its tier, source, pieces and bytes received."""
         return TieredLoadReport(**{f.name: getattr(report, f.name) for f in fields(LoadReport)}, tier=tier,
                                 source=source, pieces=dict(pieces or {}), received=received,
-                                host_needed=host_needed)
+                                host_needed=host_needed, durable_read=durable_read,
+                                host_durable_needed=host_durable_needed)

@@ -15,10 +15,12 @@ restore ladder, on one host or several.
   snapshot with a warning (a step due for durability is then saved directly).
 * ``restore_memory``: each host's first rank reports what its host holds; rank 0
   picks the newest step whose manifest is on some host and whose files the present
-  hosts hold between them; a host lacking the manifest or an index gets it whole;
-  every rank loads through its host's folder (resharding as any load), whose load
-  first fetches the byte ranges of data files its host lacks from the nearest
-  holder (:mod:`.peer`). Else the manager restores from the root.
+  hosts hold between them (or, for files on no present host, the durable root holds
+  in the same save); a host lacking the manifest or an index gets it whole; every
+  rank loads through its host's folder (resharding as any load), whose load first
+  fetches the byte ranges of data files its host lacks from the nearest holder
+  (:mod:`.peer`) and reads those of files no host holds from the root. Else the
+  manager restores from the root.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ import msgspec
 from ..collective import Comm, agree
 from ..errors import CollectiveMismatchError, CorruptCheckpointError, MemoryTierError, ShardpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..load.locate import read_manifest
+from ..load.locate import committed, read_manifest
 from ..load.pipeline import LoadOptions, load_state
 from ..saving.fence import Owner
 from ..saving.handle import SaveHandle, settle_in_flight
 from ..saving.pipeline import save_state
 from ..saving.records import SaveOptions
+from ..storage import Storage, storage_for
 from .config import MemoryTier, job_identity
 from .drain import Drainer, DrainJob, DrainResult
 from .hosts import (
@@ -485,7 +488,8 @@ class Tiers:
                 sizes = {n: e.size for n, e in read_manifest(storage).files.items()}
             except (ShardpointError, OSError):
                 sizes = {}
-            view = TieredView(storage, sizes)
+            durable = self._root_storage().child(self.folder(cand.step)) if cand.durable else None
+            view = TieredView(storage, sizes, durable=durable, rooted=cand.durable)
             fetch = None
             if len(hosts) > 1:  # each host's ranks' byte ranges of the data files it lacks, from the nearest holder
                 fetch = PeerFetch(comm, hosts, view, cand.step,
@@ -506,12 +510,19 @@ class Tiers:
                 continue
             report.step = cand.step
             report.passed_over = dict(self.passed)
-            pieces = {n: self.area.origin(cand.step, n) for n in sorted(view.names) if n != MANIFEST_NAME}
+            pieces = {n: "durable" if n in view.from_root else self.area.origin(cand.step, n)
+                      for n in sorted(view.names) if n != MANIFEST_NAME}
+            if view.from_root:
+                _LOG.info("memory snapshot %d: rank %d read %d bytes of %d file(s) no present host holds from %s",
+                          cand.step, comm.rank, sum(view.from_root.values()), len(view.from_root), durable.url
+                          if durable is not None else self.root)
             self._after_memory_restore(comm, cand.step, cand.redrain)
             received = sum(m.size for m in cand.fetch if m.dst == comm.rank and m.src != m.dst)
             return TieredLoadReport.of(report, "memory", storage.inner.root, pieces,
                                        received=received + (fetch.received if fetch is not None else 0),
-                                       host_needed=fetch.needed if fetch is not None else 0)
+                                       host_needed=fetch.needed if fetch is not None else 0,
+                                       durable_read=sum(view.from_root.values()),
+                                       host_durable_needed=fetch.durable if fetch is not None else 0)
         return None
 
     def _plan(self, hosts: Hosts, got: list[Any], durable_step: int | None,
@@ -522,7 +533,7 @@ class Tiers:
         rank)."""
         invs = [msgspec.convert(got[hosts.leader(h)], HostInventory) for h in range(len(hosts))]
         self._invs = invs  # the holdings of the step chosen: its byte ranges are planned from them
-        cands, passed = restore_plan(hosts, invs, durable_step, judge)
+        cands, passed = restore_plan(hosts, invs, durable_step, judge, rooted=self._rooted)
         restorable = sorted(c.step for c in cands)
         if step is not None:  # an explicit step: exactly that one, whatever is newer
             cands, passed = [c for c in cands if c.step == step], {s: w for s, w in passed.items() if s == step}
@@ -530,6 +541,18 @@ class Tiers:
         redrained = [msgspec.structs.replace(c, redrain=redrain_parts(
             hosts, invs, c, due, durable_step if root_newest is None else root_newest)) for c in cands]
         return RestoreDecision(passed, restorable, redrained)
+
+    def _root_storage(self) -> Storage:
+        return storage_for(self.root, self.storage_options)
+
+    def _rooted(self, step: int, save_id: str) -> bool:
+        """Rank 0: whether the durable root holds ``step`` committed by save ``save_id``
+        (a drained snapshot: the same bytes as its memory copy), so that the files of
+        it no present host holds can be read from there."""
+        try:
+            return committed(self._root_storage().child(self.folder(step)), save_id)
+        except (ShardpointError, OSError):
+            return False
 
     def _pass(self, step: int, why: str) -> None:
         """A snapshot the ladder does not restore: noted in :attr:`passed`, and warned."""
