@@ -7,7 +7,7 @@ whose host name is its own.
 
 ``train`` (any hosts x ranks): FSDP2 + AdamW and a ballast of MB megabytes sharded
 ``Shard(0)`` over the ranks (a DTensor), a memory snapshot every step
-(``replicas=1``, durable every 5) up to step 7, then waits for replication and
+(``replicas=1``, durable every 5, or every ``$TIERS_DURABLE_EVERY``) up to step 7, then waits for replication and
 drains, records the state of step 7 and trains on to step 10 without saving (the
 uninterrupted run's losses), writes ``ready-<rank>`` and sleeps until killed.
 
@@ -43,7 +43,8 @@ IFACE = "sp0"
 
 
 def tier(base: str) -> MemoryTier:
-    return MemoryTier(every=1, durable_every=5, keep=2, replicas=1, path=os.path.join(base, socket.gethostname()))
+    return MemoryTier(every=1, durable_every=int(os.environ.get("TIERS_DURABLE_EVERY", "5")), keep=2, replicas=1,
+                      path=os.path.join(base, socket.gethostname()))
 
 
 def ballast(mb: float, fill: bool) -> Any:
@@ -134,6 +135,8 @@ def resume(out: str, base: str, root: str, mb: str, name: str) -> None:
     result = {"rank": rank, "host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
               "step": step, "tier": getattr(report, "tier", None), "pieces": getattr(report, "pieces", {}),
               "received": getattr(report, "received", None), "host_needed": getattr(report, "host_needed", None),
+              "durable_read": getattr(report, "durable_read", None),
+              "host_durable_needed": getattr(report, "host_durable_needed", None),
               "rx": rx1 - rx0, "wall_s": wall, "equal": got == want,
               "differ": sorted(k for k in want if got.get(k) != want[k]), "losses": losses}
     with open(os.path.join(out, f"{name}-{rank}.json"), "w") as f:

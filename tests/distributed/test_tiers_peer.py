@@ -92,17 +92,19 @@ def node(ns: str, i: int, hostname: str, nnodes: int, nproc: int, port: int, job
 
 
 def train_then_lose(tmp: Path, ns: list[str], names: list[str], per_host: int, job: str, argv: list[str],
-                    env: dict[str, str], lost: int, base: str) -> None:
-    """Train on every host, then lose host ``lost`` (every process SIGKILLed, its memory
+                    env: dict[str, str], lost: int | list[int], base: str) -> None:
+    """Train on every host, then lose host(s) ``lost`` (every process SIGKILLed, its memory
     wiped) and stop the others (the job's restart)."""
+    gone = [lost] if isinstance(lost, int) else list(lost)
     logs = [tmp / f"train-{i}.log" for i in range(len(ns))]
     procs = [node(n, i, names[i], len(ns), per_host, 29600, job, ["train", *argv], env, log)
              for i, (n, log) in enumerate(zip(ns, logs))]
     try:
         _wait_for([Path(argv[0]) / f"ready-{r}" for r in range(len(ns) * per_host)], procs, logs, "the training")
-        for i in [lost, *(i for i in range(len(ns)) if i != lost)]:
+        for i in [*gone, *(i for i in range(len(ns)) if i not in gone)]:
             _kill_host(ns[i])
-        shutil.rmtree(os.path.join(base, names[lost]))
+        for i in gone:
+            shutil.rmtree(os.path.join(base, names[i]))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -491,7 +491,9 @@ class Tiers:
             durable = self._root_storage().child(self.folder(cand.step)) if cand.durable else None
             view = TieredView(storage, sizes, durable=durable, rooted=cand.durable)
             fetch = None
-            if len(hosts) > 1:  # each host's ranks' byte ranges of the data files it lacks, from the nearest holder
+            # each host's ranks' byte ranges of the data files it lacks, from the nearest holder (or, for files
+            # no present host holds, what they need of them from the root: no move, the view reads them there)
+            if len(hosts) > 1 or cand.durable:
                 fetch = PeerFetch(comm, hosts, view, cand.step,
                                   [inv.get(str(at), StepHolding()) for inv in self._invs] if comm.rank == 0 else None,
                                   make_folder=self.area.open)
