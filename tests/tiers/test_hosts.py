@@ -193,3 +193,43 @@ def test_hosts_travel_as_runs() -> None:
         h = Hosts.of(names)
         assert Hosts.from_wire(h.wire()) == h
     assert len(Hosts.of([f"h{i // 8}" for i in range(8192)]).wire()["runs"]) == 1024
+
+
+def test_files_on_no_present_host_come_from_the_root_only_when_it_holds_the_same_save() -> None:
+    """Hosts B and C lost with replicas=1 (3 hosts x 1 rank: B's file was only on B and
+    C): step 7 is still a candidate when the root holds step 7 of save s7, B's files read
+    from there and everything else as before; with the root holding another save of
+    step 7, or nothing, the step is passed over, naming what is lost."""
+    a_only = Hosts.of(["a", "a"])
+    # host A: its own ranks' files (0, 1) and its replicas of C's (4, 5); B's (2, 3) are nowhere
+    inv_a = inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([4, 5], "s7", "replicas")}, world=6)
+    asked: list[tuple[int, str]] = []
+
+    def root_has(step: int, sid: str) -> bool:
+        asked.append((step, sid))
+        return (step, sid) == (7, "s7")
+
+    [cand], passed = restore_plan(a_only, [inv_a], durable=7, rooted=root_has)
+    assert asked == [(7, "s7")] and passed == {}
+    assert (cand.step, cand.save_id, cand.fetch) == (7, "s7", [])
+    assert cand.durable == sorted(host_files([2, 3], "s7"))  # the data files and their indexes
+    # the root holds another save of step 7 (a later attempt's), or none: passed over as before
+    for other in (lambda s, i: False, lambda s, i: (s, i) == (7, "s7-other"), None):
+        cands, passed = restore_plan(a_only, [inv_a], durable=7, rooted=other)
+        assert cands == [] and "4 of its files are on no present host" in passed[7]
+        assert "the durable root holds no copy of this save" in passed[7]
+    # a step whose files are all held never asks the root
+    asked.clear()
+    whole = inventory(7, "s7", True, {**host_files([0, 1], "s7"), **host_files([2, 3], "s7", "replicas")})
+    [cand], _ = restore_plan(a_only, [whole], durable=None, rooted=root_has)
+    assert asked == [] and cand.durable == []
+    # over two hosts: an index on no host is read from the root too, never fetched; B' (empty) gets the rest
+    two = Hosts.of(["a", "a", "b", "b"])
+    [cand], _ = restore_plan(two, [inv_a, {}], durable=7, rooted=root_has)
+    fetched = {m.name for m in cand.fetch}
+    assert fetched == {n for n in host_files([0, 1, 4, 5], "s7") if n.endswith(".index.json")} | {MANIFEST_NAME}
+    assert not fetched & set(cand.durable)
+    # no re-drain: the root holds the step already
+    assert redrain_parts(two, [inv_a, {}], cand, [7], 7) is None
+    back = RestoreDecision.from_wire(RestoreDecision({}, [7], [cand]).wire())
+    assert back.cands[0].durable == cand.durable

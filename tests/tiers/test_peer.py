@@ -85,3 +85,55 @@ def test_the_view_reads_whole_files_and_fetched_ranges_and_names_what_it_lacks(t
     with pytest.raises(CorruptCheckpointError, match=r"far: bytes 350\.\.450 are not on this host"):
         view.read("far", 350, 100)
     assert view.names == {"own", "far"}
+
+
+def test_ranges_of_files_only_the_root_holds_are_not_moved_and_are_counted() -> None:
+    """f2 is on no present host but the root holds it (the same save): no host fetches
+    it, each host is told what its ranks need of it (each byte once), and a range of
+    it that a peer holds (fetched by an earlier restore) still comes from that peer."""
+    two = Hosts.of(["a", "a", "b", "b"])
+    holdings = [StepHolding(have=have("f0", "f1", "f3")),
+                StepHolding(ranges={"f2": [(0, 100, "ranges/f2/0-100")]})]
+    w = [wants(("f2", 500, 700)), wants(("f2", 600, 800), ("f2", 10, 60)), wants(("f0", 0, 50), ("f2", 900, 1002)),
+         None]
+    orders = plan_fetch(two, holdings, SIZES, w, durable={"f2"})
+    assert not any(o.missing for o in orders)
+    moves = {m for o in orders for m in o.moves}
+    got = sorted((m.name, m.src_rel, m.offset, m.size, two.of_rank[m.src], two.of_rank[m.dst]) for m in moves)
+    assert got == [("f0", "f0", 0, 50, 0, 1), ("f2", "ranges/f2/0-100", 10, 50, 1, 0)]
+    # host A's ranks need bytes 500..800 of f2 from the root (each byte once) and 10..60 from B; host B's
+    # 900..1002 from the root and 0..50 of f0 from A
+    assert [(o.durable, o.needed) for o in orders] == [(300, 50), (300, 50), (102, 50), (102, 50)]
+    # without the root's copy, the same wants are refused, naming the bytes
+    assert "of f2 (read on host a) are on no present host" in plan_fetch(two, holdings, SIZES, w)[0].missing
+
+
+def test_the_view_reads_files_no_host_holds_from_the_root_and_counts_them(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 8  # 2048 bytes
+    mem, root = tmp_path / "mem", tmp_path / "root"
+    (mem / "ranges" / "lost").mkdir(parents=True)
+    root.mkdir()
+    (mem / "own").write_bytes(data)
+    (mem / "ranges" / "lost" / "0-100").write_bytes(data[:100])  # fetched from a peer by an earlier restore
+    (root / "lost").write_bytes(data[::-1])
+    (root / "lost.index.json").write_bytes(b"{}")
+    (root / "own").write_bytes(b"x" * 2048)  # a file the host holds is never read from the root
+    view = TieredView(PrivateStorage(LocalStorage(str(mem))), {"own": 2048, "lost": 2048},
+                      durable=LocalStorage(str(root)), rooted=["lost", "lost.index.json"])
+    assert bytes(view.read("own", 0, 10)) == data[:10]
+    assert bytes(view.read("lost", 10, 20)) == data[10:30]  # covered here: not from the root
+    assert view.from_root == {}
+    assert bytes(view.read("lost", 1000, 100)) == data[::-1][1000:1100]
+    buf = bytearray(48)
+    view.read_into("lost", 2000, memoryview(buf))
+    assert bytes(buf) == data[::-1][2000:]
+    bufs = [memoryview(bytearray(30)), memoryview(bytearray(20))]
+    view.readv_into("lost", 90, bufs)  # starts here, ends beyond the range held: from the root
+    assert b"".join(bytes(b) for b in bufs) == data[::-1][90:140]
+    assert bytes(view.read("lost.index.json")) == b"{}"
+    assert view.from_root == {"lost": 100 + 48 + 50, "lost.index.json": 2}
+    assert view.exists("lost.index.json") and view.size("lost.index.json") == 2 and view.size("lost") == 2048
+    # without a durable copy, the same read is refused, naming the bytes
+    bare = TieredView(PrivateStorage(LocalStorage(str(mem))), {"lost": 2048}, rooted=["lost"])
+    with pytest.raises(CorruptCheckpointError, match=r"lost: bytes 1000\.\.1100 are not on this host"):
+        bare.read("lost", 1000, 100)

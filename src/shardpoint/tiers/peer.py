@@ -88,8 +88,7 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str
             read[hosts.of_rank[rank]] += w.read
             exact[hosts.of_rank[rank]] += w.exact
     read = [_merge(r) for r in read]
-    needed = [sum(r.stop - r.start for r in _merge(e) if r.file not in durable) for e in exact]
-    rooted = [sum(r.stop - r.start for r in _merge(e) if r.file in durable) for e in exact]
+    exact = [_merge(e) for e in exact]
     rows = [(h, r) for h in range(n_hosts) for r in read[h]]
     names = sorted(sizes)
     index = {n: i for i, n in enumerate(names)}
@@ -100,6 +99,7 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str
         invs.append(Inventory(h, whole, held))
     orders: list[list[Move]] = [[] for _ in range(len(hosts.of_rank))]
     incoming = [0] * n_hosts
+    from_root: dict[tuple[int, str], list[FileRange]] = {}  # (reader host, file) -> its rows read from the root
     if rows:
         k = len(rows)
         length = np.array([r.stop - r.start for _, r in rows], dtype=np.int64)
@@ -119,11 +119,24 @@ def plan_fetch(hosts: Hosts, holdings: Sequence[StepHolding], sizes: Mapping[str
             why = (f"bytes {r.start}..{r.stop} of {r.file} (read on host {hosts.names[h]}) are on no present host"
                    + (f", and {len(lost) - 1} more ranges" if len(lost) > 1 else ""))
             return [Order([], missing=why)] * len(hosts.of_rank)
+        for i in np.nonzero(plan.source == DURABLE)[0].tolist():
+            h, r = rows[i]
+            from_root.setdefault((h, r.file), []).append(r)
         moves = _moves(hosts, holdings, sizes, rows, plan.source.tolist())  # none from the root: each rank reads
         for m in tagged(moves):
             orders[m.src].append(m)
             orders[m.dst].append(m)
             incoming[hosts.of_rank[m.dst]] += m.size
+    # what each host's ranks need (exact bytes, each once): from peers (or ranges it holds), and from the root
+    # (a merged exact range lies inside one merged row: the rounded-out reads of touching ranges touch too)
+    needed, rooted = [0] * n_hosts, [0] * n_hosts
+    for h, es in enumerate(exact):
+        for e in es:
+            there = from_root.get((h, e.file), ())
+            if any(r.start <= e.start and e.stop <= r.stop for r in there):
+                rooted[h] += e.stop - e.start
+            else:
+                needed[h] += e.stop - e.start
     return [Order(orders[r], needed[hosts.of_rank[r]], incoming[hosts.of_rank[r]], durable=rooted[hosts.of_rank[r]])
             for r in range(len(hosts.of_rank))]
 
