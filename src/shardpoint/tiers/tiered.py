@@ -446,13 +446,15 @@ class Tiers:
                        exclude: list[str] | str | None, strict: bool,
                        judge: Callable[[int, StepHolding], str] = unhealthy,
                        step: int | None = None, root_newest: int | None = None) -> TieredLoadReport | None:
-        """Load the newest snapshot the present hosts hold in full between them that
-        ``judge`` finds fit (by default: healthy; see :func:`.hosts.restore_plan`), if it
-        is at least as new as ``durable_step`` (the step the root would resume from),
-        or exactly ``step`` when given: a host lacking the manifest or an index gets it
-        from a host that has it, then every rank loads through its own host's folder,
-        the load fetching the byte ranges of data files its host lacks from the
-        nearest holder (:mod:`.peer`). Collective. A
+        """Load the newest snapshot the present hosts hold in full between them (the
+        files on no present host: from the root, when it holds the same save of that
+        step) that ``judge`` finds fit (by default: healthy; see
+        :func:`.hosts.restore_plan`), if it is at least as new as ``durable_step`` (the
+        step the root would resume from), or exactly ``step`` when given: a host lacking
+        the manifest or an index gets it from a host that has it, then every rank loads
+        through its own host's folder, the load fetching the byte ranges of data files
+        its host lacks from the nearest holder (:mod:`.peer`) and reading those of files
+        no host holds from the root. Collective. A
         snapshot due for durability that the root lacks is drained again only when
         newer than ``root_newest`` (the root's newest step; ``durable_step`` when
         None). The report's ``passed_over`` names the snapshots passed over, and why
