@@ -10,7 +10,6 @@ differ from what the manifest committed.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, NamedTuple, TypeGuard
 
