@@ -45,7 +45,7 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
     are not boxes (``Partial``, strided shards). ``seen``: the boxes of DTensor
     layouts met before in this walk (a model's DTensors share a few: FSDP2's
     parameters of one shape and their optimizer states share one)."""
-    dtensor = _DTENSOR[0] or _dtensor_class()
+    dtensor = _dtensor_class()
     if dtensor is not None and isinstance(leaf, dtensor):  # first: a model of DTensors has nothing else
         return _dtensor_chunks(key, cast("DTensor", leaf), seen)
     if isinstance(leaf, FlatShard):
@@ -68,18 +68,13 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
     return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
 
 
-#: DTensor's class, once ``torch.distributed.tensor`` is imported (found by :func:`_dtensor_class`).
-_DTENSOR: list[type | None] = [None]
-
-
 def _dtensor_class() -> type | None:
     """DTensor's class, or None while ``torch.distributed.tensor`` is not imported (no
     DTensor can exist then, and importing it costs): looked up at run time, the
     ``isinstance`` check with it is what makes a tensor a DTensor."""
     mod = sys.modules.get("torch.distributed.tensor")
     found = getattr(mod, "DTensor", None) if mod is not None else None
-    _DTENSOR[0] = found if isinstance(found, type) else None
-    return _DTENSOR[0]
+    return found if isinstance(found, type) else None
 
 
 def _local_box(
