@@ -757,3 +757,22 @@ def test_a_model_that_is_not_a_module_is_refused_naming_what_to_give(tmp_path) -
 
     with pytest.raises(UnsupportedTypeError, match=r"TrainState\(model=...\) takes a torch.nn.Module.*not dict"):
         shardpoint.save(shardpoint.TrainState(model={}), tmp_path / "c")
+
+
+def test_small_chunks_health_is_each_keys_own(tmp_path: Path) -> None:
+    """Small tensors are scanned for NaN and infinity in batches; each key's finding is
+    still its own: finite values whose sum overflows are finite, a NaN and an infinity
+    among hundreds of finite tensors are found in just their keys, of every dtype."""
+    from shardpoint.format.manifest import Manifest
+
+    state: dict[str, torch.Tensor] = {f"ok{i}": torch.full((16,), float(i)) for i in range(600)}
+    state["big"] = torch.full((8,), 6e4, dtype=torch.float16)  # sums past float16's range, every value finite
+    state["big32"] = torch.full((4,), 3e38)  # past float32's
+    state["nan"] = torch.tensor([1.0, float("nan"), 2.0])
+    state["inf"] = torch.tensor([float("-inf"), 1.0])
+    state["half_inf"] = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    state["ints"] = torch.arange(5)
+    shardpoint.save(state, tmp_path / "c")
+    m = Manifest.parse((tmp_path / "c" / "manifest.json").read_bytes())
+    assert sorted(m.nonfinite or ()) == ["half_inf", "inf", "nan"]
+    assert list(m.nan or ()) == ["nan"]

@@ -793,3 +793,23 @@ def test_what_the_writer_learns_of_a_moved_chunk_stays_with_its_key(tmp_path: Pa
     assert start % 64 == 0 and index["c@0"][0] == start + 64 and index["a@0"][0] == start + 84
     back = shardpoint.load_full(tmp_path)
     assert all(torch.equal(back[k].nan_to_num(), v.nan_to_num()) for k, v in state.items())
+
+
+def test_replaced_files_is_the_whole_parse_or_none(tmp_path: Path) -> None:
+    """A commit's read of the manifest it replaces gives what the whole parse gives,
+    and leaves anything it does not vouch for (unsealed, a name not plain) to it."""
+    from shardpoint.format.manifest import Manifest, replaced_files
+
+    shardpoint.save({"w": torch.arange(6.0), "n": 3}, tmp_path / "c")
+    data = (tmp_path / "c" / "manifest.json").read_bytes()
+    m = Manifest.parse(data)
+    assert replaced_files(data) == (m.save_id, m.stored_files())
+    assert replaced_files(data.replace(b'"seal"', b'"seaL"', 1)) is None
+    name = m.stored_files()[0].encode()
+    assert replaced_files(data.replace(name, b"../" + name[3:])) is None  # the seal no longer matches either
+    doc = json.loads(data)
+    doc["files"] = {"../" + k: v for k, v in doc["files"].items()}
+    assert replaced_files(sealed(doc)) is None  # sealed, but a name not plain: left to the whole parse
+    doc = json.loads(data)
+    doc["version"] = 1
+    assert replaced_files(sealed(doc)) is None

@@ -10,7 +10,6 @@ differ from what the manifest committed.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, NamedTuple, TypeGuard
 
@@ -18,7 +17,7 @@ import msgspec
 
 from ..errors import CorruptCheckpointError
 from .chunks import ChunkLoc
-from .datafile import WrittenChunk, crc_count
+from .datafile import WrittenChunk, crc_count, json_bytes
 from .model import COUNT_LIMIT, IndexFile
 
 INDEX_FORMAT = "shardpoint-index"
@@ -52,7 +51,7 @@ def index_bytes(data_file: str, chunks: list[tuple[str, WrittenChunk]],
     for name, loc, ref in refs or ():
         entries[name] = [loc.offset, loc.length, loc.crc32, ref]
     doc = {"format": INDEX_FORMAT, "file": data_file, "chunks": entries}
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return json_bytes(doc)
 
 
 def digest(data: bytes) -> str:

@@ -34,16 +34,20 @@ class LocalChunks(msgspec.Struct, gc=False):
     numpy: bool = False
 
 
-#: What :func:`chunks_of` worked out of a DTensor's spec: the spec (kept, so its id stays
-#: its own), the global shape and this rank's box.
-Seen = dict[int, tuple[object, tuple[int, ...], Box]]
+#: What :func:`chunks_of` worked out of DTensors met before in one walk: by
+#: ``(id(mesh), global shape, placements)`` (a ``Shard`` as its dim, a ``Replicate`` as
+#: None), the mesh (kept, so its id stays its own), the global shape and this rank's box.
+Seen = dict[object, tuple[object, tuple[int, ...], Box]]
 
 
 def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
     """Describe a tensor leaf. Raises ``ValueError`` naming ``key`` for layouts that
-    are not boxes (``Partial``, strided shards). ``seen``: the boxes of DTensor specs
-    met before in this walk (a model's DTensors share a few specs: FSDP2's parameters
-    of one shape and their optimizer states share one)."""
+    are not boxes (``Partial``, strided shards). ``seen``: the boxes of DTensor
+    layouts met before in this walk (a model's DTensors share a few: FSDP2's
+    parameters of one shape and their optimizer states share one)."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(leaf, dtensor):  # first: a model of DTensors has nothing else
+        return _dtensor_chunks(key, cast("DTensor", leaf), seen)
     if isinstance(leaf, FlatShard):
         stop = leaf.start + leaf.local.numel()
         boxes = flat_range_boxes(leaf.shape, leaf.start, stop)
@@ -59,19 +63,18 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
         shape = tuple(t.shape)
         return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], numpy=True)
     assert isinstance(leaf, torch.Tensor)
-    dt = _as_dtensor(leaf)
-    if dt is not None:
-        return _dtensor_chunks(key, dt, seen)
     t = leaf.detach()
     shape = tuple(t.shape)
     return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
 
 
-def _as_dtensor(t: torch.Tensor) -> DTensor | None:
-    mod = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist (and importing costs)
-    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
-    # the class is looked up at run time (so not imported here): the isinstance check is what makes it a DTensor
-    return cast("DTensor", t) if dtensor is not None and isinstance(t, dtensor) else None
+def _dtensor_class() -> type | None:
+    """DTensor's class, or None while ``torch.distributed.tensor`` is not imported (no
+    DTensor can exist then, and importing it costs): looked up at run time, the
+    ``isinstance`` check with it is what makes a tensor a DTensor."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    found = getattr(mod, "DTensor", None) if mod is not None else None
+    return found if isinstance(found, type) else None
 
 
 def _local_box(
@@ -102,24 +105,53 @@ def _box_placements() -> tuple[type, ...]:
 
 
 def _dtensor_chunks(key: str, dt: DTensor, seen: Seen | None) -> LocalChunks:
-    spec = getattr(dt, "_spec", None)
-    got = seen.get(id(spec)) if seen is not None and spec is not None else None
-    if got is None or got[0] is not spec:
-        got = (spec, *_dtensor_box(key, dt))
-        if seen is not None and spec is not None:
-            seen[id(spec)] = got
-    _spec, shape, box = got
+    got = _layout_box(key, dt, seen) if seen is not None else None
+    if got is None:
+        got = (None, *_dtensor_box(key, dt))
+    _mesh, shape, box = got
     # DTensor's own attribute: to_local() is an autograd call (~10 us a tensor) for the same storage
     inner = getattr(dt, "_local_tensor", None)
     local = inner if isinstance(inner, torch.Tensor) else dt.to_local()
     if local.requires_grad:  # the same storage either way: a plain alias is enough to copy into
         local = local.detach()
-    if tuple(local.shape) != box.sizes:
+    if local.shape != box.sizes:  # a torch.Size is a tuple
         raise UsageError(
             f"key {key!r}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
             f"{tuple(dt.placements)} give {box.sizes}; the layout is not one box and cannot be saved"
         )
     return LocalChunks(shape, local.dtype, [box], [local])
+
+
+def _layout_box(key: str, dt: DTensor, seen: Seen) -> tuple[object, tuple[int, ...], Box] | None:
+    """A DTensor's global shape and this rank's box, found in ``seen`` by its mesh,
+    global shape and placements, or worked out and kept there: a model's DTensors
+    share a few (and ``DTensor.from_local`` gives each tensor a spec of its own, so a
+    cache by spec would miss every time; DTensor's mesh arithmetic costs ~9 us a
+    tensor). The key is exact: a ``Shard`` is its dim, a ``Replicate`` nothing; a
+    tensor with any other placement (which :func:`_dtensor_box` refuses) is not
+    keyed, nor one whose spec lacks these attributes: None, the caller works it out."""
+    try:
+        spec = dt._spec
+        mesh, placements, shape = spec.mesh, spec.placements, spec.tensor_meta.shape  # type: ignore[union-attr]
+    except AttributeError:  # a spec without its tensor's metadata, or of another torch version
+        return None
+    shard, replicate = _box_placements()
+    kinds: list[int | None] = []
+    for p in placements:
+        kind = type(p)
+        if kind is shard:
+            kinds.append(p.dim)  # type: ignore[attr-defined]
+        elif kind is replicate:
+            kinds.append(None)
+        else:
+            return None
+    ident = (id(mesh), shape, tuple(kinds))
+    got = seen.get(ident)
+    if got is not None and got[0] is mesh:  # the mesh kept in the value: its id is its own
+        return got
+    got = (mesh, *_dtensor_box(key, dt))
+    seen[ident] = got
+    return got
 
 
 def _dtensor_box(key: str, dt: DTensor) -> tuple[tuple[int, ...], Box]:

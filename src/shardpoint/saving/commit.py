@@ -30,7 +30,7 @@ from ..errors import (
     ShardpointError,
 )
 from ..format.index import index_name
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME, Manifest, replaced_files
 from ..format.pointer import LATEST, Pointer
 from ..load.locate import read_manifest
 from ..runtime import PROCESS
@@ -76,14 +76,11 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
     if storage.exists(MANIFEST_NAME):
         if not replace:
             raise exists_error(storage)
-        try:
-            there: Manifest | None = read_manifest(storage)
-        except ShardpointError:  # removed since the look-up, or damaged: replaced all the same
-            there = None
-        if there is not None and there.save_id == manifest.save_id:  # committed before: only the pointer
+        there = _replaced(storage)
+        if there is not None and there[0] == manifest.save_id:  # committed before: only the pointer
             _point_latest(owner, latest, what)
             return
-        old = there.stored_files() if there is not None else []
+        old = there[1] if there is not None else []
     PROCESS.seams.fire_phase("before_commit")
     if owner is not None:
         owner.check(what)
@@ -105,6 +102,25 @@ def commit_checkpoint(storage: Storage, manifest: Manifest, *, replace: bool, ow
             except Exception:  # noqa: BLE001 - the new checkpoint is committed; a leftover is harmless
                 pass
     _point_latest(owner, latest, what)
+
+
+def _replaced(storage: Storage) -> tuple[str, list[str]] | None:
+    """The save id and stored files of the checkpoint at ``storage`` that a commit
+    replaces; None when it was removed since the look-up, or is damaged (replaced all
+    the same). Its entries are not parsed where the seal vouches for the rest
+    (:func:`~shardpoint.format.manifest.replaced_files`)."""
+    try:
+        data = bytes(storage.read(MANIFEST_NAME))
+    except (OSError, ShardpointError):
+        return None
+    got = replaced_files(data, f"{storage.url}/{MANIFEST_NAME}")
+    if got is not None:
+        return got
+    try:
+        there = read_manifest(storage)
+    except ShardpointError:
+        return None
+    return there.save_id, there.stored_files()
 
 
 def check_files(storage: Storage, manifest: Manifest) -> None:

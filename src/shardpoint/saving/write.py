@@ -126,6 +126,8 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
     block = datafile.CRC_BLOCK  # read at the call: tests shrink it
     scanned = _scanned(dtypes) if health else None  # the dtypes whose values the health scan looks at
 
+    small = _SmallScan(bad)
+
     def parts() -> Iterator[memoryview | bytes]:
         yield header
         for j, (src, n) in enumerate(zip(srcs, lengths)):
@@ -139,9 +141,12 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
                     raise InternalError(f"chunk {names[j]!r}: {len(piece)} bytes streamed, {n} expected; this is a bug")
                 crcs.append([crc32(piece, 0)])
                 if dtype is not None:
-                    kind = _health(piece, dtype)
-                    if kind:
-                        bad[j] = kind
+                    if n <= _SMALL:
+                        small.add(j, piece, dtype)
+                    else:
+                        kind = _health(piece, dtype)
+                        if kind:
+                            bad[j] = kind
                 yield piece
                 continue
             these: list[int] = []
@@ -171,6 +176,9 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
             crcs.append(these)
 
     storage.write_file(name, parts())
+    small.close()
+    if bad:  # in chunk order, as found one by one
+        bad = dict(sorted(bad.items()))
     out = []
     off = len(header)
     for n, c in zip(lengths, crcs):
@@ -182,6 +190,53 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
 def _scanned(dtypes: list[torch.dtype]) -> set[torch.dtype]:
     """Of ``dtypes``, the floating-point and complex ones: those the health scan looks at."""
     return {d for d in set(dtypes) if d.is_floating_point or d.is_complex}
+
+
+#: Chunks of at most this many bytes are scanned for non-finite values in batches of
+#: about :data:`_BATCH` bytes (one sum over many small chunks instead of one each).
+_SMALL = 16 << 10
+_BATCH = 1 << 20
+
+
+class _SmallScan:
+    """The health scan of small chunks, batched: each chunk's bytes are copied, when
+    they are checksummed and streamed, after the others of its dtype; a batch whose
+    values are all finite (the common case) clears all of its chunks with one
+    :func:`_health`, and only a batch that is not is scanned again chunk by chunk, so
+    each chunk's finding is exactly its own. ``bad``: the findings by chunk index,
+    filled as batches fill and by :meth:`close`."""
+
+    __slots__ = ("_bad", "_batches")
+
+    def __init__(self, bad: dict[int, int]) -> None:
+        self._bad = bad
+        self._batches: dict[torch.dtype, tuple[bytearray, list[tuple[int, int, int]]]] = {}
+
+    def add(self, j: int, piece: memoryview, dtype: torch.dtype) -> None:
+        got = self._batches.get(dtype)
+        if got is None:
+            got = self._batches[dtype] = (bytearray(), [])
+        buf, members = got
+        start = len(buf)
+        buf += piece
+        members.append((j, start, len(buf)))
+        if len(buf) >= _BATCH:
+            self._scan(dtype)
+
+    def close(self) -> None:
+        """Scan what is left in every batch."""
+        for dtype in list(self._batches):
+            self._scan(dtype)
+
+    def _scan(self, dtype: torch.dtype) -> None:
+        buf, members = self._batches.pop(dtype)
+        if _health(memoryview(buf), dtype) == FINITE:
+            return
+        view = memoryview(buf)
+        for j, a, b in members:
+            kind = _health(view[a:b], dtype)
+            if kind:
+                self._bad[j] = kind
 
 
 def _health(piece: memoryview, dtype: torch.dtype) -> int:

@@ -22,6 +22,8 @@ _IOV_MAX = 1024
 #: Descriptors kept open inside keep_open() at most (a load from a thousand ranks' files
 #: must not run into the process's limit of open files); others are opened per read.
 _KEEP_OPEN = 64
+#: Parts of a written file smaller than this are gathered, this many bytes a write.
+_GATHER = 256 << 10
 
 
 def _fsync_dir(path: str) -> None:
@@ -30,6 +32,14 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> int:
+    """Write all of ``view`` at ``fd``'s position; its length."""
+    n = len(view)
+    while view:
+        view = view[os.write(fd, view) :]
+    return n
 
 
 def _unlink_quietly(path: str) -> None:
@@ -145,13 +155,22 @@ class LocalStorage(Storage):
         self._ensure_dir(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         total = 0
+        gathered = bytearray()  # small parts, written together: one system call for hundreds of small chunks
         try:
             for part in parts:
                 view = byte_view(part)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                    total += n
+                if len(view) < _GATHER:
+                    gathered += view
+                    if len(gathered) < _GATHER:
+                        continue
+                    view = memoryview(gathered)
+                    gathered = bytearray()  # a new one: the old one stays exported to ``view``
+                elif gathered:
+                    total += _write_all(fd, memoryview(gathered))
+                    gathered = bytearray()
+                total += _write_all(fd, view)
+            if gathered:
+                total += _write_all(fd, memoryview(gathered))
             os.fsync(fd)
         except BaseException as e:
             os.close(fd)
