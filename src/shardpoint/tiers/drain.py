@@ -35,7 +35,7 @@ from .hosts import FileSpec
 BLOCK = 8 << 20
 
 
-class DrainAborted(ShardpointError):
+class DrainAborted(MemoryTierError):
     """The process that asked for the drain is gone; the drain stops, uncommitted."""
 
 
