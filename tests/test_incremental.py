@@ -256,3 +256,37 @@ def test_plain_save_and_default_manager_write_no_references(tmp_path: Path) -> N
     mgr.save({"frozen": frozen}, 1)
     assert [i.referenced for i in mgr.list()] == [0, 0]
     assert b'"refs"' not in (tmp_path / "step-00000001" / "manifest.json").read_bytes()
+
+
+def test_a_crash_inside_retention_leaves_no_manifest_referring_to_removed_data(tmp_path: Path) -> None:
+    """Retention drops an older step whose data a newer doomed step refers to: every
+    doomed manifest goes before any file, so a crash between two folders (here: an
+    error at the first folder dropped) leaves every checkpoint that still has a
+    manifest loadable, never one that refers to a removed file."""
+    from shardpoint.runtime import PROCESS
+
+    frozen = torch.randn(4096)
+    state = {"frozen": frozen, "step": 0}
+    mgr = shardpoint.CheckpointManager(tmp_path, incremental=True)
+    for step in range(3):
+        state["step"] = step
+        if step == 2:
+            frozen.mul_(2)  # step 1 refers to step 0's file; step 2 writes its own
+        mgr.save(state, step)
+    assert mgr.list()[1].referenced > 0
+
+    def crash(phase: str) -> None:
+        if phase == "dropped":
+            raise OSError("injected: the process dies between two folders")
+
+    PROCESS.seams.phase = crash
+    state["step"] = 3
+    try:  # a new attempt keeping one step drops steps 0, 1 and 2 after saving 3 (its first save: no references)
+        with pytest.warns(UserWarning, match="injected"):  # retention's failure is warned; the save committed
+            shardpoint.CheckpointManager(tmp_path, keep_last=1, incremental=True).save(state, 3)
+    finally:
+        PROCESS.seams.phase = None
+    left = [d for d in sorted(os.listdir(tmp_path)) if (tmp_path / d / "manifest.json").exists()]
+    for d in left:  # whatever is left committed loads, its references included
+        assert shardpoint.load_full(tmp_path / d)["step"] == int(d.split("-")[1])
+    assert left == ["step-00000003"], left  # none of the doomed steps is left committed

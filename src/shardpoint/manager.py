@@ -32,6 +32,7 @@ from .format.refs import split_ref
 from .health import HealthRule
 from .load.locate import read_manifest
 from .report import LoadReport, LoadStats, SaveStats, human
+from .runtime import PROCESS
 from .saving.fence import Owner, claim
 from .saving.handle import SaveHandle
 from .saving.incremental import Session, Tracker
@@ -146,6 +147,17 @@ def referenced_files(root: Storage, folders: list[str]) -> dict[str, set[str]] |
             folder, fname = split_ref(ref)
             out.setdefault(folder, set()).add(fname)
     return out
+
+
+def drop_all(root: Storage, names: list[str], needed: dict[str, set[str]]) -> None:
+    """Delete the step folders ``names`` under ``root`` (:func:`drop`), every manifest
+    first: a checkpoint among them may refer to another's files, so a kill between
+    two folders must leave no manifest that refers to a file already deleted."""
+    for name in names:
+        root.child(name).remove(MANIFEST_NAME)
+    for name in names:
+        drop(root.child(name), needed.get(name))
+        PROCESS.seams.fire_phase("dropped")
 
 
 def drop(sub: Storage, still: set[str] | None) -> None:
@@ -527,8 +539,7 @@ class CheckpointManager:
             warnings.warn(f"shardpoint: retention under {self.root} skipped: a kept checkpoint's manifest cannot be "
                           "read, so which data it refers to is unknown", stacklevel=2)
             return
-        for name in doomed:
-            drop(self.storage.child(name), needed.get(name))
+        drop_all(self.storage, doomed, needed)
 
     def export(self, dest: PathLike, step: int | None = None, *, overwrite: bool = False) -> str:
         """Write a self-contained copy of checkpoint ``step`` (default: :meth:`latest`)

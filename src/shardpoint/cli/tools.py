@@ -160,6 +160,7 @@ def prune_command(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
+    from ..format.manifest import MANIFEST_NAME
     from ..manager import CheckpointManager, drop, referenced_files
 
     if args.keep_last is None and not args.incomplete:
@@ -198,6 +199,11 @@ def _prune(args: argparse.Namespace) -> int:
               "(run `shardpoint ls` and `verify` on it)")
         return USAGE
     verb = "would remove" if args.dry_run else "removed"
+    if not args.dry_run:  # every manifest first: none left behind that refers to a file removed below
+        for e in doomed:
+            name = CheckpointManager.step_dir(e.step or 0)
+            if not (e.status == REFERENCED and needed.get(name)):
+                root.child(name).remove(MANIFEST_NAME)
     for e in doomed:
         name = CheckpointManager.step_dir(e.step or 0)
         still = needed.get(name)
