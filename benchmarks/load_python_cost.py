@@ -80,14 +80,21 @@ def _dump(label: str) -> None:
     subprocess.run(["callgrind_control", "-d", label, str(os.getpid())], check=True, capture_output=True)
 
 
-def _phased() -> None:
-    """Wrap each function of ``PHASES`` in dumps of the counters at its start and end."""
+def _phased(module: Any = None, phases: list[tuple[str, str]] = PHASES) -> None:
+    """Wrap each function of ``phases`` in dumps of the counters at its start and end:
+    (name, attribute of ``module``, by default ``shardpoint.load.pipeline``; ``Cls.x``:
+    method ``x`` of its class ``Cls``). Those the module lacks are skipped."""
     import functools
 
-    from shardpoint.load import pipeline
+    if module is None:
+        from shardpoint.load import pipeline as module
 
-    for name, attr in PHASES:
-        fn = getattr(pipeline, attr, None)
+    for name, attr in phases:
+        owner: Any = module
+        if "." in attr:
+            cls, attr = attr.split(".")
+            owner = getattr(module, cls, None)
+        fn = getattr(owner, attr, None)
         if fn is None:
             continue
 
@@ -98,7 +105,7 @@ def _phased() -> None:
             finally:
                 _dump("phase:" + _name)
 
-        setattr(pipeline, attr, functools.wraps(fn)(wrapped))
+        setattr(owner, attr, functools.wraps(fn)(wrapped))
 
 
 def _worker(path: str, loads: int, counted: bool, phases: bool = False) -> None:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from load_python_cost import _dump, _parts, _state  # noqa: E402
+from load_python_cost import _phased as _phased_in  # noqa: E402
 
 #: The parts of a save counted apart with ``--phases``: (name, attribute of
 #: shardpoint.saving.pipeline; ``Stage.x``: a method of its ``Stage`` class).
@@ -127,27 +128,9 @@ def _stub_byte_passes() -> None:
 
 def _phased() -> None:
     """Wrap each function of ``PHASES`` in dumps of the counters at its start and end."""
-    import functools
-
     from shardpoint.saving import pipeline
 
-    for name, attr in PHASES:
-        owner: Any = pipeline
-        if "." in attr:
-            cls, attr = attr.split(".")
-            owner = getattr(pipeline, cls, None)
-        fn = getattr(owner, attr, None)
-        if fn is None:
-            continue
-
-        def wrapped(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
-            _dump("before")
-            try:
-                return _fn(*a, **k)
-            finally:
-                _dump("phase:" + _name)
-
-        setattr(owner, attr, functools.wraps(fn)(wrapped))
+    _phased_in(pipeline, PHASES)
 
 
 def _worker(saves: int, counted: bool, phases: bool = False) -> None:
