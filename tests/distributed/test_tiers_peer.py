@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -292,7 +293,8 @@ def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: P
         errors = [f.read_text() for f in sorted(out.glob("error-*.txt"))]
         print("\n" + "\n".join(errors))
         assert errors and all(e.startswith(names[1]) and "CollectiveMismatchError" in e for e in errors), errors
-        assert any(f"with rank 0 on host {names[0]}" in e and "byte ranges" in e for e in errors), errors
+        # the lost holder named: a rank of host A (which of its ranks serves a range rotates with the plan)
+        assert any(re.search(rf"byte ranges with rank [01] on host {names[0]}\b", e) for e in errors), errors
         # no range is left behind as held: a receiving rank that torchrun stopped (once the
         # node's other rank failed) may leave its temporary ``.<range>.part-*`` file, which
         # no inventory lists and the snapshot's folder takes with it when freed
