@@ -136,7 +136,8 @@ def _mutable_module_state(path: Path) -> list[str]:
     constant_calls = {"TypeVar", "frozenset", "tuple", "int", "float", "str", "bool", "timedelta", "compile",
                       "getLogger", "get", "_env_size", "_env_seconds", "MappingProxyType", "namedtuple", "fromtimestamp",
                       "Lock",  # a lock guards state, it holds none
-                      "Decoder", "Encoder"}  # msgspec's: built once, hold no state (as re.compile's patterns)
+                      "Decoder", "Encoder",  # msgspec's: built once, hold no state (as re.compile's patterns)
+                      "attrgetter", "itemgetter"}  # operator's: a fixed look-up, no state
     tree = ast.parse(path.read_text())
     mutated: set[str] = set()  # names assigned into or changed by a method anywhere in the module
     for node in ast.walk(tree):

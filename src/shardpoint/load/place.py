@@ -87,6 +87,9 @@ class KeyCheck:
     """Keys left out by ``only``/``exclude``: local ones, and the checkpoint's that no local leaf holds."""
     missing: list[str]
     """Local keys the checkpoint lacks."""
+    values: list[str] = field(default_factory=list)
+    """Local plain values the checkpoint holds (to assign; the tensors to read are
+    :attr:`TreeLoad.local`)."""
 
     def record(self, report: LoadReport) -> None:
         report.skipped += self.skipped
@@ -115,6 +118,7 @@ class TreeLoad:
         tensors, local, entries, select = self.tree.tensors, self.local, self.tree.entries, self.select
         skipped: list[str] = []
         missing: list[str] = []
+        found_values: list[str] = []
         seen: Seen = {}
         for key, node in self.walk.leaves.items():
             if not select.everything and not select(key):
@@ -141,6 +145,8 @@ class TreeLoad:
                     )
             elif type(e) is not ValueEntry:
                 raise KeyMismatchError(f"key {key!r} is a plain value in the local state but a {kind_of(e)} in the checkpoint")
+            else:
+                found_values.append(key)
         for key in self.walk.per_rank:
             if not select.everything and not select(key):
                 skipped.append(key)
@@ -160,7 +166,7 @@ class TreeLoad:
                 f"{len(missing)} key(s) of the local state are not in the checkpoint: {sorted(missing)[:20]}; "
                 "pass strict=False to leave them as they are, or exclude=[...] to skip them"
             )
-        return KeyCheck(skipped, missing)
+        return KeyCheck(skipped, missing, found_values)
 
     def plan(self, reads: Collect, found: KeyCheck, held: Callable[[str], bool], create: bool) -> None:
         """Collect the reads of local tensors; decide what to create."""
@@ -168,24 +174,20 @@ class TreeLoad:
         self.plan_created(reads, held, create)
 
     def plan_local(self, reads: Collect, found: KeyCheck) -> None:
-        """Collect the reads of local tensors and the values to assign (changes
-        nothing in the state), leaving out what the key check ``found`` left out."""
+        """Collect the reads of the local tensors the key check ``found`` to load and the
+        values to assign (changes nothing in the state)."""
         r = self.report
-        skip = {*found.skipped, *found.missing} if found.skipped or found.missing else ()
-        tensors, values = self.tree.tensors, self.tree.values
-        for key, node in self.walk.leaves.items():
-            if key in skip:
-                continue
-            self.touched.add(key)
-            r.loaded.append(key)
-            if node.kind == "tensor":
-                spec = tensors[key]
-                lc = self.local[key]
-                if lc.dtype != spec.dtype:
-                    r.cast.append(key)
-                reads.add(spec, lc.boxes, lc.views, self.per_rank)
-            else:
-                self.values[key] = values.get(key)
+        tensors, values, per_rank = self.tree.tensors, self.tree.values, self.per_rank
+        add = reads.targets.append
+        for key, lc in self.local.items():
+            spec = tensors[key]
+            if lc.dtype is not spec.torch_dtype:  # torch's dtypes are one object each
+                r.cast.append(key)
+            add(Target(spec, lc.boxes, lc.views, per_rank))
+        self.values.update((key, values.get(key)) for key in found.values)
+        r.loaded += self.local
+        r.loaded += found.values
+        self.touched.update(self.local, found.values)
 
     def plan_created(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
         """Decide what to create: the checkpoint's keys that no rank holds (``held``)
@@ -245,14 +247,22 @@ class TreeLoad:
         p.put(rel[1:], value)
         lst.append((head, p))
 
-    def fill(self, node: Node, key: str) -> object:
-        """Place values and created keys, call load_state_dict; returns the node's new value."""
+    def fill(self, node: Node, key: str, dirty: set[str] | None = None) -> object:
+        """Place values and created keys, call load_state_dict; returns the node's new
+        value. ``dirty``: the containers below which something changes
+        (:meth:`_dirty`); the others, and tensors (read in place), are left as they are."""
+        if dirty is None:
+            dirty = self._dirty()
         k = node.kind
-        if k in ("dict", "list", "tuple"):
+        if k in _CONTAINERS:
             obj = node.obj
             items = []
             for seg, child in node.children.items():
-                v = self.fill(child, child.key)
+                ck = child.kind
+                if ck == "tensor" or (ck in _CONTAINERS and child.key not in dirty):
+                    items.append(child.obj)  # nothing below it changes
+                    continue
+                v = self.fill(child, child.key, dirty)
                 items.append(v)
                 if k != "tuple" and obj[seg] is not v:
                     obj[seg] = v
@@ -270,7 +280,7 @@ class TreeLoad:
             return tuple(items) if k == "tuple" else obj
         if k == "stateful":
             assert node.inner is not None
-            sd = self.fill(node.inner, key)
+            sd = self.fill(node.inner, key, dirty)
             if any(t == key or t.startswith(key + "/") or key == "" for t in self.touched):
                 node.obj.load_state_dict(sd)
             return node.obj
@@ -279,6 +289,19 @@ class TreeLoad:
         if k == "tensor":
             return node.obj
         return self.values.get(key, node.obj)
+
+    def _dirty(self) -> set[str]:
+        """The keys of the containers a :meth:`fill` must visit: those above a value to
+        assign, a created key or a Stateful object (tensors load in place)."""
+        out = {""}
+        for k in [*self.values, *self.pending, *(k for k, _obj in self.walk.stateful)]:
+            while k not in out:  # a key in ``out`` has its parents there already
+                out.add(k)
+                k = k[: max(k.rfind("/"), 0)]
+        return out
+
+
+_CONTAINERS = ("dict", "list", "tuple")
 
 
 def load_per_rank(key: str, node_walk: Walk, saved: dict[int, Tree], rank: int,

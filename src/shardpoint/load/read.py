@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import NamedTuple, NoReturn
 
 import msgspec
@@ -183,6 +184,7 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
 
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512
+_LOC = attrgetter("loc")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -262,16 +264,20 @@ class Reader:
     def _runs(self, whole: list[ReadJob], piece: int) -> list[Callable[[], int]]:
         """Whole chunks back to back in one file, about ``piece`` bytes a run at most
         (their CRCs are computed while the bytes are still in the CPU's cache)."""
-        whole.sort(key=lambda j: j.loc)  # a ChunkLoc sorts by file, then offset
+        whole.sort(key=_LOC)  # a ChunkLoc sorts by file, then offset
+        locs = [j.loc for j in whole]
         tasks: list[Callable[[], int]] = []
-        i = 0
-        while i < len(whole):
-            first = whole[i]
-            end = first.loc.offset + first.loc.length
+        i, n = 0, len(whole)
+        while i < n:
+            first = locs[i]
+            fname, start = first.file, first.offset
+            end, stop = start + first.length, min(n, i + _RUN_MAX)
             k = i + 1
-            while k < len(whole) and k - i < _RUN_MAX and whole[k].loc.file == first.loc.file \
-                    and whole[k].loc.offset == end and end + whole[k].loc.length - first.loc.offset <= piece:
-                end += whole[k].loc.length
+            while k < stop:
+                loc = locs[k]
+                if loc.offset != end or loc.file != fname or end + loc.length - start > piece:
+                    break
+                end += loc.length
                 k += 1
             tasks.append(partial(self._run_of, whole[i:k]))
             i = k
