@@ -185,8 +185,11 @@ def walk(state: object, prefix: str = "") -> Walk:
     return w
 
 
+_TENSORS = (torch.Tensor, FlatShard, np.ndarray)
+
+
 def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
-    if isinstance(obj, (torch.Tensor, FlatShard, np.ndarray)):  # the commonest first (a PerRank is none of them)
+    if isinstance(obj, _TENSORS):  # the commonest first (a PerRank is none of them)
         n = Node("tensor", obj, key=key)
         w.leaves[key] = n
         return n
@@ -206,13 +209,24 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
     if isinstance(obj, Mapping):
         n = Node("dict", obj, key=key)
         w.containers[key] = "dict"
+        children, leaves, memo = n.children, w.leaves, PROCESS.key_segments
+        above = "" if key == "" else key + "/"
         for k, v in obj.items():
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
+            if type(k) is str:  # a state's keys repeat a few names: their escaped forms are remembered
+                e = memo.get(k)
+                sub = above + (e if e is not None else _enc_str(k))
+            elif isinstance(k, bool) or not isinstance(k, (str, int)):
                 raise UnsupportedTypeError(
                     f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
                     "only str and int keys can be saved: convert the key to str"
                 )
-            n.children[k] = _walk(v, join(key, k), w, in_per_rank)
+            else:
+                sub = join(key, k)
+            if isinstance(v, _TENSORS):  # a tensor leaf, the commonest child, without a call
+                c = children[k] = Node("tensor", v, key=sub)
+                leaves[sub] = c
+            else:
+                children[k] = _walk(v, sub, w, in_per_rank)
         return n
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"

@@ -40,14 +40,17 @@ class LocalChunks(msgspec.Struct, gc=False):
 Seen = dict[object, tuple[object, tuple[int, ...], Box]]
 
 
-def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
+def chunks_of(key: str, leaf: object, seen: Seen | None = None, *, detach: bool = True) -> LocalChunks:
     """Describe a tensor leaf. Raises ``ValueError`` naming ``key`` for layouts that
     are not boxes (``Partial``, strided shards). ``seen``: the boxes of DTensor
     layouts met before in this walk (a model's DTensors share a few: FSDP2's
-    parameters of one shape and their optimizer states share one)."""
+    parameters of one shape and their optimizer states share one). ``detach``: the
+    views of a tensor that requires grad are detached aliases (False: the tensor
+    itself, for a caller that detaches only where it must; a load writes most
+    tensors' memory directly)."""
     dtensor = _dtensor_class()
     if dtensor is not None and isinstance(leaf, dtensor):  # first: a model of DTensors has nothing else
-        return _dtensor_chunks(key, cast("DTensor", leaf), seen)
+        return _dtensor_chunks(key, cast("DTensor", leaf), seen, detach)
     if isinstance(leaf, FlatShard):
         stop = leaf.start + leaf.local.numel()
         boxes = flat_range_boxes(leaf.shape, leaf.start, stop)
@@ -63,7 +66,7 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None) -> LocalChunks:
         shape = tuple(t.shape)
         return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], numpy=True)
     assert isinstance(leaf, torch.Tensor)
-    t = leaf.detach()
+    t = leaf.detach() if detach and leaf.requires_grad else leaf
     shape = tuple(t.shape)
     return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
 
@@ -104,7 +107,7 @@ def _box_placements() -> tuple[type, ...]:
     return Shard, Replicate
 
 
-def _dtensor_chunks(key: str, dt: DTensor, seen: Seen | None) -> LocalChunks:
+def _dtensor_chunks(key: str, dt: DTensor, seen: Seen | None, detach: bool = True) -> LocalChunks:
     got = _layout_box(key, dt, seen) if seen is not None else None
     if got is None:
         got = (None, *_dtensor_box(key, dt))
@@ -112,7 +115,7 @@ def _dtensor_chunks(key: str, dt: DTensor, seen: Seen | None) -> LocalChunks:
     # DTensor's own attribute: to_local() is an autograd call (~10 us a tensor) for the same storage
     inner = getattr(dt, "_local_tensor", None)
     local = inner if isinstance(inner, torch.Tensor) else dt.to_local()
-    if local.requires_grad:  # the same storage either way: a plain alias is enough to copy into
+    if detach and local.requires_grad:  # the same storage either way: a plain alias is enough to copy into
         local = local.detach()
     if local.shape != box.sizes:  # a torch.Size is a tuple
         raise UsageError(

@@ -131,7 +131,7 @@ class TreeLoad:
             if node.kind == "tensor":
                 if type(e) is not TensorEntry:
                     raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {kind_of(e)} in the checkpoint")
-                lc = local[key] = chunks_of(key, node.obj, seen)
+                lc = local[key] = chunks_of(key, node.obj, seen, detach=False)  # reads detach where they must
                 if lc.shape != tensors[key].shape:
                     raise KeyMismatchError(
                         f"key {key!r}: the checkpoint holds shape {tensors[key].shape}, the local tensor has global shape "

@@ -10,6 +10,7 @@ straight into its target's memory, with no staging copy.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -78,7 +79,7 @@ class ReadJob(msgspec.Struct, frozen=True, gc=False):
     """The saved dtype (``dst`` may have another: the copy converts)."""
     dst: torch.Tensor | None
     """The view to copy the region into (a conversion, a strided region, another
-    device); None when ``out`` holds its bytes."""
+    device); with ``out``, the tensor whose memory ``out`` is (kept alive here)."""
     out: memoryview | None = None
     """The target's bytes when the job goes straight into them: one byte range of the
     chunk into one byte range of a contiguous CPU tensor of the saved dtype."""
@@ -164,18 +165,18 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             if loc.length != st.numel * size:
                 raise locator.wrong_length(spec, loc, st.numel)
             base = bases[st.target]
-            if base is None:  # a parameter may require grad: write its data
+            if base is None:
                 view = t.views[st.target]
-                if view.requires_grad:
-                    view = view.detach()
                 whole = view.dtype == dtype and view.is_cpu and view.is_contiguous()
                 base = bases[st.target] = (view, _bytes_of(view) if whole else None)
             view, out = base
             lo, hi = st.first * size, st.last * size
-            if out is not None and st.span is not None:  # straight into the target's bytes
+            if out is not None and st.span is not None:  # straight into the target's bytes (``dst`` keeps them)
                 at = st.span * size
-                add(ReadJob(key, loc, st.box, st.region, lo, hi, True, dtype, None, out[at : at + hi - lo]))
+                add(ReadJob(key, loc, st.box, st.region, lo, hi, True, dtype, view, out[at : at + hi - lo]))
                 continue
+            if view.requires_grad:  # a parameter: write its data
+                view = view.detach()
             for d, start, n in st.narrows:
                 view = view.narrow(d, start, n)
             add(ReadJob(key, loc, st.box, st.region, lo, hi, st.contiguous, dtype, view))
@@ -188,12 +189,13 @@ _LOC = attrgetter("loc")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, as a flat memoryview."""
-    try:
-        a = t.numpy()
-    except TypeError:  # a dtype numpy lacks (bfloat16, float8): its bytes as uint8
-        return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-    return (a.reshape(1) if not a.ndim else a).data.cast("B")
+    """The bytes of a contiguous CPU tensor, writable, as a flat memoryview over its
+    memory (any dtype; a tensor that requires grad needs no detached alias). The view
+    does not keep ``t`` alive: its holder keeps ``t`` (a :class:`ReadJob`'s ``dst``)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 @dataclass(slots=True)
