@@ -214,19 +214,19 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         for k, v in obj.items():
             if type(k) is str:  # a state's keys repeat a few names: their escaped forms are remembered
                 e = memo.get(k)
-                sub = above + (e if e is not None else _enc_str(k))
+                child_key = above + (e if e is not None else _enc_str(k))
             elif isinstance(k, bool) or not isinstance(k, (str, int)):
                 raise UnsupportedTypeError(
                     f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
                     "only str and int keys can be saved: convert the key to str"
                 )
             else:
-                sub = join(key, k)
+                child_key = join(key, k)
             if isinstance(v, _TENSORS):  # a tensor leaf, the commonest child, without a call
-                c = children[k] = Node("tensor", v, key=sub)
-                leaves[sub] = c
+                c = children[k] = Node("tensor", v, key=child_key)
+                leaves[child_key] = c
             else:
-                children[k] = _walk(v, sub, w, in_per_rank)
+                children[k] = _walk(v, child_key, w, in_per_rank)
         return n
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"

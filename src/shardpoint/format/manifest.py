@@ -28,6 +28,7 @@ from typing import Any, cast
 import msgspec
 
 from ..errors import CorruptCheckpointError, UnsupportedTypeError
+from ..runtime import PROCESS
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
@@ -434,12 +435,19 @@ def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry],
     _check_keys(containers, entries, bad, under)
     tree = Tree(containers=cast("dict[str, str]", containers), entries=entries)
     tensors, values = tree.tensors, tree.values
+    checked = PROCESS.layout_checks  # layouts.check's memo: most entries share a layout checked before
     for key, e in entries.items():
         t = type(e)
         if t is TensorEntry:
             assert isinstance(e, TensorEntry)
-            layout = _check_tensor(key, e, files, block, bad, ws, version)
             name = e.dtype
+            if version >= 2 and not e.numpy and name in DTYPES:  # the commonest entry, without a call
+                layout = layouts.layout_key(e, ws)
+                why = checked[layout] if layout in checked else layouts.check(e, ws, layout)
+                if why is not None:
+                    raise bad(f"entry {key!r}: {why}")
+            else:
+                layout = _check_tensor(key, e, files, block, bad, ws, version)
             tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e.shape), e.numpy, version, e, layout,
                                       TORCH_DTYPES.get(name))
         elif t is ValueEntry:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import numpy as np
@@ -69,6 +69,45 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None, *, detach: bool 
     t = leaf.detach() if detach and leaf.requires_grad else leaf
     shape = tuple(t.shape)
     return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
+
+
+class Describe:
+    """:func:`chunks_of` over the leaves of one walk: DTensor's class looked up once,
+    and the boxes of the DTensor layouts met kept (``seen``), so a DTensor of a layout
+    met before (a model's optimizer moments, its blocks' parameters) is described with
+    no further call. ``detach``: as :func:`chunks_of`'s."""
+
+    __slots__ = ("_dtensor", "_replicate", "_shard", "detach", "seen")
+
+    def __init__(self, *, detach: bool = True) -> None:
+        self.seen: Seen = {}
+        self.detach = detach
+        self._dtensor = _dtensor_class()
+        self._shard: type | None = None
+        self._replicate: type | None = None
+        if self._dtensor is not None:
+            self._shard, self._replicate = _box_placements()
+
+    def __call__(self, key: str, leaf: object) -> LocalChunks:
+        if type(leaf) is self._dtensor:  # DTensor itself (a subclass goes the general way)
+            spec: Any = getattr(leaf, "_spec", None)
+            placements: tuple[Any, ...] = getattr(spec, "placements", ())
+            if len(placements) == 1:  # a 1-D mesh: the key _layout_box files its box under
+                p = placements[0]
+                kind = type(p)
+                dim = p.dim if kind is self._shard else None
+                meta = getattr(spec, "tensor_meta", None)
+                if meta is not None and (dim is not None or kind is self._replicate):
+                    mesh = spec.mesh
+                    got = self.seen.get((id(mesh), meta.shape, (dim,)))
+                    local = getattr(leaf, "_local_tensor", None)
+                    if got is not None and got[0] is mesh and type(local) is torch.Tensor:
+                        box = got[2]
+                        if local.shape == box.sizes:
+                            if self.detach and local.requires_grad:
+                                local = local.detach()
+                            return LocalChunks(got[1], local.dtype, [box], [local])
+        return chunks_of(key, leaf, self.seen, detach=self.detach)
 
 
 def _dtensor_class() -> type | None:

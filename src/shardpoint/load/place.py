@@ -22,8 +22,7 @@ from ..format.boxes import Box
 from ..format.chunks import TensorSpec
 from ..format.manifest import Manifest, Tree
 from ..format.model import PerRankEntry, TensorEntry, ValueEntry, kind_of
-from ..layout import chunks_of
-from ..layout.local import LocalChunks, Seen
+from ..layout.local import Describe, LocalChunks
 from ..report import LoadReport
 from ..tree import Node, PerRank, Selection, Walk, decode_key, join
 from .locate import Locator
@@ -119,7 +118,7 @@ class TreeLoad:
         skipped: list[str] = []
         missing: list[str] = []
         found_values: list[str] = []
-        seen: Seen = {}
+        describe = Describe(detach=False)  # reads detach where they must
         for key, node in self.walk.leaves.items():
             if not select.everything and not select(key):
                 skipped.append(key)
@@ -131,7 +130,7 @@ class TreeLoad:
             if node.kind == "tensor":
                 if type(e) is not TensorEntry:
                     raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {kind_of(e)} in the checkpoint")
-                lc = local[key] = chunks_of(key, node.obj, seen, detach=False)  # reads detach where they must
+                lc = local[key] = describe(key, node.obj)
                 if lc.shape != tensors[key].shape:
                     raise KeyMismatchError(
                         f"key {key!r}: the checkpoint holds shape {tensors[key].shape}, the local tensor has global shape "

@@ -149,32 +149,35 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         # a layout (a text naming the shape and the saved boxes; None for listed chunks) and local boxes
         # seen before: the same chunks and the same steps
         memo = None if spec.layout is None else (spec.layout, tuple(t.boxes))
-        steps = known.get(memo) if memo is not None else None
+        steps = known.get(memo)  # type: ignore[arg-type]  # None is never a key
         if steps is None:
             steps = _steps(spec, spec.chunks(), t.boxes)
             if memo is not None:
                 known[memo] = steps
-        size, dtype, key = spec.itemsize, spec.dtype, spec.key
+        size, key, views = spec.itemsize, spec.key, t.views
+        dtype = spec.torch_dtype
+        if dtype is None:
+            dtype = spec.dtype  # raises, naming the key: this torch lacks the saved dtype
         prefix = "/per_rank/" + key if t.per_rank else key
-        bases: list[tuple[torch.Tensor, memoryview | None] | None] = [None] * len(t.views)
+        # each view's bytes where the reads can go straight into them (torch's dtypes are one object each)
+        bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() else None for v in views]
         for st in steps:
             loc = st.loc
             if loc is None:
+                name = prefix + st.at
                 idx = indexes.get(st.rank)
-                loc = (idx.locate(prefix + st.at) if idx is not None else None) or find(key, st.rank, prefix + st.at)
+                loc = idx.locate(name) if idx is not None else None
+                if loc is None:
+                    loc = find(key, st.rank, name)  # reads the rank's index, or raises naming the chunk
             if loc.length != st.numel * size:
                 raise locator.wrong_length(spec, loc, st.numel)
-            base = bases[st.target]
-            if base is None:
-                view = t.views[st.target]
-                whole = view.dtype == dtype and view.is_cpu and view.is_contiguous()
-                base = bases[st.target] = (view, _bytes_of(view) if whole else None)
-            view, out = base
+            out = bases[st.target]
             lo, hi = st.first * size, st.last * size
             if out is not None and st.span is not None:  # straight into the target's bytes (``dst`` keeps them)
                 at = st.span * size
-                add(ReadJob(key, loc, st.box, st.region, lo, hi, True, dtype, view, out[at : at + hi - lo]))
+                add(ReadJob(key, loc, st.box, st.region, lo, hi, True, dtype, views[st.target], out[at : at + hi - lo]))
                 continue
+            view = views[st.target]
             if view.requires_grad:  # a parameter: write its data
                 view = view.detach()
             for d, start, n in st.narrows:
