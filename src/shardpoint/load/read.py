@@ -160,7 +160,11 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             dtype = spec.dtype  # raises, naming the key: this torch lacks the saved dtype
         prefix = "/per_rank/" + key if t.per_rank else key
         # each view's bytes where the reads can go straight into them (torch's dtypes are one object each)
-        bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() else None for v in views]
+        if len(views) == 1:
+            v = views[0]
+            bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() else None]
+        else:
+            bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() else None for v in views]
         for st in steps:
             loc = st.loc
             if loc is None:
