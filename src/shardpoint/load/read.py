@@ -192,7 +192,7 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
 
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512
-_LOC = attrgetter("loc")
+_OFFSET = attrgetter("loc.offset")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -241,14 +241,18 @@ class Reader:
         per batch."""
         tasks: list[Callable[[], int]] = []
         small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
-        whole: list[ReadJob] = []
+        whole: dict[str, list[ReadJob]] = {}  # by file
         batch = self.storage.read_batch
         small_max = batch // 8
         piece = self.storage.read_piece
         for j in jobs:
-            if piece is not None and j.out is not None and 0 < j.hi - j.lo <= piece and j.lo == 0 \
-                    and j.hi == j.loc.length:
-                whole.append(j)
+            loc = j.loc
+            if piece is not None and j.out is not None and j.lo == 0 and 0 < j.hi == loc.length <= piece:
+                got = whole.get(loc.file)
+                if got is None:
+                    whole[loc.file] = [j]
+                else:
+                    got.append(j)
                 continue
             a, b = self._span(j.loc, j.lo, j.hi)
             if b - a <= small_max:
@@ -270,10 +274,15 @@ class Reader:
             i = k
         return tasks
 
-    def _runs(self, whole: list[ReadJob], piece: int) -> list[Callable[[], int]]:
-        """Whole chunks back to back in one file, about ``piece`` bytes a run at most
-        (their CRCs are computed while the bytes are still in the CPU's cache)."""
-        whole.sort(key=_LOC)  # a ChunkLoc sorts by file, then offset
+    def _runs(self, by_file: dict[str, list[ReadJob]], piece: int) -> list[Callable[[], int]]:
+        """Whole chunks back to back in one file (``by_file``: the jobs of each file),
+        about ``piece`` bytes a run at most (their CRCs are computed while the bytes
+        are still in the CPU's cache)."""
+        whole: list[ReadJob] = []
+        for fname in sorted(by_file):
+            group = by_file[fname]
+            group.sort(key=_OFFSET)  # an int each: a file's chunks come mostly in order
+            whole += group
         locs = [j.loc for j in whole]
         tasks: list[Callable[[], int]] = []
         i, n = 0, len(whole)
