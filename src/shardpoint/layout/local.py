@@ -73,15 +73,18 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None, *, detach: bool 
 
 class Describe:
     """:func:`chunks_of` over the leaves of one walk: DTensor's class looked up once,
-    and the boxes of the DTensor layouts met kept (``seen``), so a DTensor of a layout
-    met before (a model's optimizer moments, its blocks' parameters) is described with
-    no further call. ``detach``: as :func:`chunks_of`'s."""
+    and the boxes of the DTensor layouts met kept, by their spec (FSDP2's parameters of
+    one shape and their optimizer moments share a few spec objects) and by mesh,
+    shape and placements (``seen``: ``DTensor.from_local`` gives each tensor a spec of
+    its own), so a DTensor of a layout met before is described with no further call.
+    ``detach``: as :func:`chunks_of`'s."""
 
-    __slots__ = ("_dtensor", "_replicate", "_shard", "detach", "seen")
+    __slots__ = ("_by_spec", "_dtensor", "_replicate", "_shard", "detach", "seen")
 
     def __init__(self, *, detach: bool = True) -> None:
         self.seen: Seen = {}
         self.detach = detach
+        self._by_spec: dict[int, tuple[object, tuple[int, ...], Box]] = {}  # id(spec) -> spec (kept), shape, box
         self._dtensor = _dtensor_class()
         self._shard: type | None = None
         self._replicate: type | None = None
@@ -91,23 +94,37 @@ class Describe:
     def __call__(self, key: str, leaf: object) -> LocalChunks:
         if type(leaf) is self._dtensor:  # DTensor itself (a subclass goes the general way)
             spec: Any = getattr(leaf, "_spec", None)
-            placements: tuple[Any, ...] = getattr(spec, "placements", ())
-            if len(placements) == 1:  # a 1-D mesh: the key _layout_box files its box under
-                p = placements[0]
-                kind = type(p)
-                dim = p.dim if kind is self._shard else None
-                meta = getattr(spec, "tensor_meta", None)
-                if meta is not None and (dim is not None or kind is self._replicate):
-                    mesh = spec.mesh
-                    got = self.seen.get((id(mesh), meta.shape, (dim,)))
-                    local = getattr(leaf, "_local_tensor", None)
-                    if got is not None and got[0] is mesh and type(local) is torch.Tensor:
-                        box = got[2]
-                        if local.shape == box.sizes:
-                            if self.detach and local.requires_grad:
-                                local = local.detach()
-                            return LocalChunks(got[1], local.dtype, [box], [local])
+            got = self._by_spec.get(id(spec))
+            if got is None or got[0] is not spec:
+                got = self._layout(spec)
+            local = getattr(leaf, "_local_tensor", None)
+            if got is not None and type(local) is torch.Tensor:
+                box = got[2]
+                if local.shape == box.sizes:
+                    if self.detach and local.requires_grad:
+                        local = local.detach()
+                    return LocalChunks(got[1], local.dtype, [box], [local])
         return chunks_of(key, leaf, self.seen, detach=self.detach)
+
+    def _layout(self, spec: Any) -> tuple[object, tuple[int, ...], Box] | None:
+        """The global shape and this rank's box of a DTensor of ``spec`` on a 1-D mesh,
+        when ``seen`` has its layout (None: :func:`chunks_of` works it out, and keeps
+        it in ``seen``)."""
+        placements: tuple[Any, ...] = getattr(spec, "placements", ())
+        meta = getattr(spec, "tensor_meta", None)
+        if len(placements) != 1 or meta is None:
+            return None
+        p = placements[0]
+        kind = type(p)
+        dim = p.dim if kind is self._shard else None
+        if dim is None and kind is not self._replicate:
+            return None
+        mesh = spec.mesh
+        found = self.seen.get((id(mesh), meta.shape, (dim,)))  # the key _layout_box files a box under
+        if found is None or found[0] is not mesh:
+            return None
+        got = self._by_spec[id(spec)] = (spec, found[1], found[2])
+        return got
 
 
 def _dtensor_class() -> type | None:
