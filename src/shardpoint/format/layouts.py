@@ -56,7 +56,8 @@ def _cuts_of(spec: int | list[int], n: int) -> list[int] | None:
 MEMO_MAX = 1 << 14
 
 
-_KEY = msgspec.json.Encoder()
+#: Encodes a layout's key (:func:`layout_key`; a manifest's parse inlines it).
+KEY_ENCODER = msgspec.json.Encoder()
 
 
 class Layout(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -74,7 +75,7 @@ def layout_key(entry: TensorEntry, world_size: int) -> bytes | None:
     C (msgspec): a load makes one per tensor entry."""
     if entry.chunks is not None:
         return None
-    return _KEY.encode((entry.grid, entry.flat, entry.shape, world_size))
+    return KEY_ENCODER.encode((entry.grid, entry.flat, entry.shape, world_size))
 
 
 def check(entry: TensorEntry, world_size: int, key: bytes | None = None) -> str | None:

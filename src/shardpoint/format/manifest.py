@@ -436,13 +436,15 @@ def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry],
     tree = Tree(containers=cast("dict[str, str]", containers), entries=entries)
     tensors, values = tree.tensors, tree.values
     checked = PROCESS.layout_checks  # layouts.check's memo: most entries share a layout checked before
+    encode_layout = layouts.KEY_ENCODER.encode
     for key, e in entries.items():
         t = type(e)
         if t is TensorEntry:
             assert isinstance(e, TensorEntry)
             name = e.dtype
-            if version >= 2 and not e.numpy and name in DTYPES:  # the commonest entry, without a call
-                layout = layouts.layout_key(e, ws)
+            layout: bytes | None
+            if version >= 2 and e.chunks is None and not e.numpy and name in DTYPES:  # the commonest entry, inline
+                layout = encode_layout((e.grid, e.flat, e.shape, ws))  # layouts.layout_key
                 why = checked[layout] if layout in checked else layouts.check(e, ws, layout)
                 if why is not None:
                     raise bad(f"entry {key!r}: {why}")
