@@ -149,6 +149,7 @@ def is_stateful(obj: object) -> TypeGuard[Stateful]:
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
+_PLAIN_TYPES = frozenset(_PLAIN)  # exactly these types (a subclass takes the general way)
 
 
 class Node(msgspec.Struct):
@@ -225,6 +226,9 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
             if isinstance(v, _TENSORS):  # a tensor leaf, the commonest child, without a call
                 c = children[k] = Node("tensor", v, key=child_key)
                 leaves[child_key] = c
+            elif type(v) in _PLAIN_TYPES:  # a plain value (an optimizer's lr), without a call
+                c = children[k] = Node("value", v, key=child_key)
+                leaves[child_key] = c
             else:
                 children[k] = _walk(v, child_key, w, in_per_rank)
         return n
@@ -232,8 +236,15 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         kind = "list" if isinstance(obj, list) else "tuple"
         n = Node(kind, obj, key=key)
         w.containers[key] = kind
+        children, leaves = n.children, w.leaves
+        above = "" if key == "" else key + "/"
         for i, v in enumerate(obj):
-            n.children[i] = _walk(v, join(key, i), w, in_per_rank)
+            child_key = above + str(i)
+            if type(v) in _PLAIN_TYPES:  # a param group's parameter names, without a call
+                c = children[i] = Node("value", v, key=child_key)
+                leaves[child_key] = c
+            else:
+                children[i] = _walk(v, child_key, w, in_per_rank)
         return n
     if is_stateful(obj):
         w.stateful.append((key, obj))
