@@ -165,28 +165,27 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() else None]
         else:
             bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() else None for v in views]
-        for st in steps:
-            loc = st.loc
+        for target, region, first, last, contiguous, narrows, span, box, numel, rank, at, loc in steps:
             if loc is None:
-                name = prefix + st.at
-                idx = indexes.get(st.rank)
+                name = prefix + at
+                idx = indexes.get(rank)
                 loc = idx.locate(name) if idx is not None else None
                 if loc is None:
-                    loc = find(key, st.rank, name)  # reads the rank's index, or raises naming the chunk
-            if loc.length != st.numel * size:
-                raise locator.wrong_length(spec, loc, st.numel)
-            out = bases[st.target]
-            lo, hi = st.first * size, st.last * size
-            if out is not None and st.span is not None:  # straight into the target's bytes (``dst`` keeps them)
-                at = st.span * size
-                add(ReadJob(key, loc, st.box, st.region, lo, hi, True, dtype, views[st.target], out[at : at + hi - lo]))
+                    loc = find(key, rank, name)  # reads the rank's index, or raises naming the chunk
+            if loc.length != numel * size:
+                raise locator.wrong_length(spec, loc, numel)
+            out = bases[target]
+            lo, hi = first * size, last * size
+            if out is not None and span is not None:  # straight into the target's bytes (``dst`` keeps them)
+                span *= size
+                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out[span : span + hi - lo]))
                 continue
-            view = views[st.target]
+            view = views[target]
             if view.requires_grad:  # a parameter: write its data
                 view = view.detach()
-            for d, start, n in st.narrows:
+            for d, start, n in narrows:
                 view = view.narrow(d, start, n)
-            add(ReadJob(key, loc, st.box, st.region, lo, hi, st.contiguous, dtype, view))
+            add(ReadJob(key, loc, box, region, lo, hi, contiguous, dtype, view))
     return jobs
 
 
