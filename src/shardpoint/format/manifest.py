@@ -80,15 +80,18 @@ def encode_value(v: object) -> list[object]:
     raise UnsupportedTypeError(f"{type(v).__name__} is not a plain value (None, bool, int, float, str or bytes)")
 
 
-def decode_value(e: Any, where: str = "value") -> PlainValue:  # Any: the manifest's JSON, checked here
-    """Inverse of :func:`encode_value`."""
+def decode_value(e: Any, key: str | None = None) -> PlainValue:  # Any: the manifest's JSON, checked here
+    """Inverse of :func:`encode_value`. ``key``: the entry's, for the error."""
     try:
         kind = e[0]
-        if kind == "none" and len(e) == 1:
+        if len(e) == 2:
+            p = e[1]
+            if kind == "str" and type(p) is str:  # the commonest (a param group's parameter names)
+                return p
+        elif kind == "none" and len(e) == 1:
             return None
         if len(e) != 2:
             raise ValueError
-        p = e[1]
         if kind == "bool" and isinstance(p, bool):
             return p
         if kind == "int" and isinstance(p, str) and len(p) < 5000:
@@ -101,6 +104,7 @@ def decode_value(e: Any, where: str = "value") -> PlainValue:  # Any: the manife
             return base64.b64decode(p, validate=True)
     except (TypeError, ValueError, IndexError, KeyError, OverflowError):
         pass
+    where = "value" if key is None else f"entry {key!r}"
     raise CorruptCheckpointError(f"manifest: {where} is not a valid encoded value: {str(e)[:80]}")
 
 
@@ -454,7 +458,7 @@ def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry],
                                       TORCH_DTYPES.get(name))
         elif t is ValueEntry:
             assert isinstance(e, ValueEntry)
-            values[key] = decode_value(e.value, where=f"entry {key!r}")
+            values[key] = decode_value(e.value, key)
         elif t is PerRankEntry and depth == 0:
             assert isinstance(e, PerRankEntry)
             subs = tree.per_rank[key] = {}

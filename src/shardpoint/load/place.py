@@ -192,8 +192,10 @@ class TreeLoad:
         """Decide what to create: the checkpoint's keys that no rank holds (``held``)
         and that lie below a local container."""
         r = self.report
-        for key, e in self.tree.entries.items():
-            if key in self.walk.leaves or key in self.walk.per_rank or not self.select(key) or held(key):
+        entries = self.tree.entries
+        absent = entries.keys() - self.walk.leaves.keys() - self.walk.per_rank.keys()  # in C: most loads hold every key
+        for key, e in entries.items() if absent else ():
+            if key not in absent or not self.select(key) or held(key):
                 continue
             anchor = self._anchor(key)
             if not create or anchor is None:
