@@ -104,6 +104,9 @@ class Describe:
                     if self.detach and local.requires_grad:
                         local = local.detach()
                     return LocalChunks(got[1], local.dtype, [box], [local])
+        elif type(leaf) is torch.Tensor and not (self.detach and leaf.requires_grad):  # a plain tensor (a step count)
+            shape = tuple(leaf.shape)
+            return LocalChunks(shape, leaf.dtype, [Box((0,) * len(shape), shape)], [leaf])
         return chunks_of(key, leaf, self.seen, detach=self.detach)
 
     def _layout(self, spec: Any) -> tuple[object, tuple[int, ...], Box] | None:
