@@ -178,7 +178,9 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             lo, hi = first * size, last * size
             if out is not None and span is not None:  # straight into the target's bytes (``dst`` keeps them)
                 span *= size
-                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out[span : span + hi - lo]))
+                if span or hi - lo != len(out):  # a part of the view (the whole: no new slice)
+                    out = out[span : span + hi - lo]
+                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out))
                 continue
             view = views[target]
             if view.requires_grad:  # a parameter: write its data
