@@ -776,3 +776,27 @@ def test_small_chunks_health_is_each_keys_own(tmp_path: Path) -> None:
     m = Manifest.parse((tmp_path / "c" / "manifest.json").read_bytes())
     assert sorted(m.nonfinite or ()) == ["half_inf", "inf", "nan"]
     assert list(m.nan or ()) == ["nan"]
+
+
+def test_parameters_that_require_grad_load_in_place_whole_and_in_parts(tmp_path: Path) -> None:
+    """A load writes a parameter's memory directly (no detached alias, issue 34): the
+    same Parameter objects, still leaves that require grad with no grad made, hold the
+    saved values, whether a read fills the whole tensor or, cast or strided, a part of
+    it; a tuple container comes back equal."""
+    saved = {"w": torch.randn(6, 4), "b": torch.randn(4).to(torch.bfloat16), "t": (torch.arange(3.0), 2)}
+    shardpoint.save(saved, tmp_path / "ck")
+    w, b = torch.nn.Parameter(torch.zeros(6, 4)), torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    state = {"w": w, "b": b, "t": (torch.nn.Parameter(torch.zeros(3)), 0)}
+    report = shardpoint.load(state, tmp_path / "ck")
+    assert state["w"] is w and state["b"] is b
+    for p in (w, b, state["t"][0]):
+        assert p.requires_grad and p.is_leaf and p.grad is None
+    assert torch.equal(w.detach(), saved["w"]) and torch.equal(b.detach(), saved["b"])
+    assert torch.equal(state["t"][0].detach(), saved["t"][0]) and state["t"][1] == 2
+    # into a float64 parameter (a cast) and a non-contiguous view of one (a strided copy)
+    big = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.float64))
+    into = {"w": big.t(), "b": torch.nn.Parameter(torch.zeros(4)), "t": (torch.zeros(3), 0)}
+    report = shardpoint.load(into, tmp_path / "ck")
+    assert sorted(report.cast) == ["b", "w"]
+    assert torch.equal(big.detach().t(), saved["w"].double()) and big.grad is None and big.is_leaf
+    assert torch.equal(into["b"].detach(), saved["b"].float())
