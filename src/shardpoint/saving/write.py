@@ -105,23 +105,33 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, tor
     lengths = [t.nbytes for _, t in chunks]
     order = datafile.file_order(lengths)
     if order == list(range(len(chunks))):  # often: every chunk a multiple of 64 bytes
-        return _write_in_order(storage, name, [c[0] for c in chunks], sources([c[1] for c in chunks], pool()), lengths)
-    placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order],
-                                  sources([chunks[i][1] for i in order], pool()), [lengths[i] for i in order])
+        views = [c[1] for c in chunks]
+        return _write_in_order(storage, name, [c[0] for c in chunks], views, _sources(views), lengths)
+    views = [chunks[i][1] for i in order]
+    placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order], views, _sources(views),
+                                  [lengths[i] for i in order])
     written = placed[:]
     for w, i in zip(placed, order):
         written[i] = w
     return written, {order[j]: kind for j, kind in bad.items()}
 
 
-def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source], lengths: list[int]
-                    ) -> tuple[list[WrittenChunk], dict[int, int]]:
-    """:func:`write_data_file` of ``srcs`` (of ``lengths`` bytes) in the order given."""
+def _sources(views: list[torch.Tensor]) -> list[Source] | None:
+    """The :func:`sources` of ``views``, or None when every one streams in place (CPU
+    memory, the common case: no source object a chunk)."""
+    if PROCESS.seams.force_pool or not all(v.is_cpu for v in views):
+        return sources(views, pool())
+    return None
+
+
+def _write_in_order(storage: Storage, name: str, names: list[str], tensors: list[torch.Tensor],
+                    srcs: list[Source] | None, lengths: list[int]) -> tuple[list[WrittenChunk], dict[int, int]]:
+    """:func:`write_data_file` of ``tensors`` (of ``lengths`` bytes) in the order given,
+    through ``srcs`` (their :func:`sources`; None: every one streams in place)."""
     health = PROCESS.seams.health_check
     bad: dict[int, int] = {}
-    tensors = [src.tensor for src in srcs]
     dtypes = [t.dtype for t in tensors]
-    header = data_header([(n, dt, tuple(t.shape), length) for n, dt, t, length in zip(names, dtypes, tensors, lengths)])
+    header = data_header(list(zip(names, dtypes, [t.shape for t in tensors], lengths)))
     crcs: list[list[int]] = []
     block = datafile.CRC_BLOCK  # read at the call: tests shrink it
     scanned = _scanned(dtypes) if health else None  # the dtypes whose values the health scan looks at
@@ -130,13 +140,14 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
 
     def parts() -> Iterator[memoryview | bytes]:
         yield header
-        for j, (src, n) in enumerate(zip(srcs, lengths)):
+        for j, (t, n) in enumerate(zip(tensors, lengths)):
             dtype = dtypes[j] if scanned is not None and dtypes[j] in scanned else None
-            if src.copier is None and n <= block:  # the common case: one piece in one CRC block, no generator
+            src = srcs[j] if srcs is not None else None
+            if (src is None or src.copier is None) and n <= block:  # the common case: one piece in one CRC block
                 if not n:
                     crcs.append([0])
                     continue
-                piece = cpu_bytes(src.tensor)
+                piece = cpu_bytes(t)
                 if len(piece) != n:  # pragma: no cover - a source that lied about its size
                     raise InternalError(f"chunk {names[j]!r}: {len(piece)} bytes streamed, {n} expected; this is a bug")
                 crcs.append([crc32(piece, 0)])
@@ -151,7 +162,7 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
                 continue
             these: list[int] = []
             crc, filled, seen = 0, 0, 0
-            for view in src.pieces():
+            for view in (src if src is not None else Source(t)).pieces():
                 i = 0
                 while i < len(view):  # pieces cut at CRC block boundaries
                     piece = view[i : i + block - filled]
