@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -210,28 +211,29 @@ _BATCH = 1 << 20
 
 
 class _SmallScan:
-    """The health scan of small chunks, batched: each chunk's bytes are copied, when
-    they are checksummed and streamed, after the others of its dtype; a batch whose
-    values are all finite (the common case) clears all of its chunks with one
-    :func:`_health`, and only a batch that is not is scanned again chunk by chunk, so
-    each chunk's finding is exactly its own. ``bad``: the findings by chunk index,
-    filled as batches fill and by :meth:`close`."""
+    """The health scan of small chunks, batched: each chunk's bytes, when they are
+    checksummed and streamed, join the others of its dtype (kept by reference, joined
+    in one copy when the batch is scanned: the chunks' memory stays as it is while the
+    save writes it); a batch whose values are all finite (the common case) clears all
+    of its chunks with one :func:`_health`, and only a batch that is not is scanned
+    again chunk by chunk, so each chunk's finding is exactly its own. ``bad``: the
+    findings by chunk index, filled as batches fill and by :meth:`close`."""
 
     __slots__ = ("_bad", "_batches")
 
     def __init__(self, bad: dict[int, int]) -> None:
         self._bad = bad
-        self._batches: dict[torch.dtype, tuple[bytearray, list[tuple[int, int, int]]]] = {}
+        #: per dtype: [bytes so far, the chunks' indexes, their pieces]
+        self._batches: dict[torch.dtype, list[Any]] = {}
 
     def add(self, j: int, piece: memoryview, dtype: torch.dtype) -> None:
         got = self._batches.get(dtype)
         if got is None:
-            got = self._batches[dtype] = (bytearray(), [])
-        buf, members = got
-        start = len(buf)
-        buf += piece
-        members.append((j, start, len(buf)))
-        if len(buf) >= _BATCH:
+            got = self._batches[dtype] = [0, [], []]
+        got[1].append(j)
+        got[2].append(piece)
+        got[0] += len(piece)
+        if got[0] >= _BATCH:
             self._scan(dtype)
 
     def close(self) -> None:
@@ -240,14 +242,17 @@ class _SmallScan:
             self._scan(dtype)
 
     def _scan(self, dtype: torch.dtype) -> None:
-        buf, members = self._batches.pop(dtype)
-        if _health(memoryview(buf), dtype) == FINITE:
+        _, members, pieces = self._batches.pop(dtype)
+        view = memoryview(b"".join(pieces))
+        if _health(view, dtype) == FINITE:
             return
-        view = memoryview(buf)
-        for j, a, b in members:
+        a = 0
+        for j, piece in zip(members, pieces):
+            b = a + len(piece)
             kind = _health(view[a:b], dtype)
             if kind:
                 self._bad[j] = kind
+            a = b
 
 
 def _health(piece: memoryview, dtype: torch.dtype) -> int:
