@@ -813,3 +813,46 @@ def test_replaced_files_is_the_whole_parse_or_none(tmp_path: Path) -> None:
     doc = json.loads(data)
     doc["version"] = 1
     assert replaced_files(sealed(doc)) is None
+
+
+def test_manifest_bytes_are_the_json_modules(tmp_path: Path) -> None:
+    """A manifest's bytes, made by msgspec, are what ``json.dumps`` (compact, no NaN)
+    wrote before: floats as ``repr`` writes them (``1e+16``, ``2.5e-07``), non-ASCII
+    and DEL escaped, a non-finite ``created`` refused the same way."""
+    import dataclasses
+
+    from shardpoint.format.digest import seal
+    from shardpoint.format.manifest import Manifest, _number_out
+
+    def by_json(m: Manifest) -> bytes:
+        doc: dict[str, Any] = {
+            "format": "shardpoint", "version": m.version, "library_version": m.library_version, "created": m.created,
+            "world_size": m.world_size, "save_id": m.save_id, "checksum": {"algorithm": "crc32", "block_size": m.crc_block},
+            "files": m.files, "containers": m.tree.containers, "entries": m.tree.entries}
+        if m.refs:
+            doc["refs"] = m.refs
+        if m.nonfinite is not None:
+            health: dict[str, Any] = {"nonfinite": m.nonfinite}
+            if m.nonfinite:
+                health["nan"] = sorted(m.nan or [])
+                health["roles"] = {k: m.roles.get(k, "state") for k in m.nonfinite}
+            health["metrics"] = {k: _number_out(v) for k, v in sorted(m.metrics.items())}
+            doc["health"] = health
+        return seal(json.dumps(doc, default=msgspec.to_builtins, separators=(",", ":"), allow_nan=False).encode())
+
+    def outcome(fn: Any) -> Any:
+        try:
+            return fn()
+        except ValueError as e:
+            return type(e), str(e)
+
+    shardpoint.save({"w": torch.arange(6.0), "b": torch.tensor([math.inf]), "x": {"n": 3, "s": "a\n\"\\\x01"}},
+                    tmp_path / "a")
+    shardpoint.save({"é": torch.ones(2), "v": "h\x7fé"}, tmp_path / "b")
+    for d in (tmp_path / "a", tmp_path / "b", V2):
+        m = Manifest.parse((d / "manifest.json").read_bytes())
+        assert m.to_bytes() == by_json(m) == (d / "manifest.json").read_bytes()
+        for v in (1e16, 2.5e-07, 0.1, -0.0, 1.7976931348623157e308, 5e-324, 1764161234.123456, 7, math.nan, math.inf):
+            for other in (dataclasses.replace(m, created=v), dataclasses.replace(m, metrics={"z": v, "a": 1e-5}),
+                          dataclasses.replace(m, metrics={"z": 1e22}, nonfinite=None)):
+                assert outcome(other.to_bytes) == outcome(lambda o=other: by_json(o)), v

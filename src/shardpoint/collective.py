@@ -655,7 +655,7 @@ class Comm:
         world."""
         if self.store is None:
             return [obj]
-        data = _encode(obj)
+        data = _encode(obj) if self.rank != 0 else b""  # rank 0 keeps its own object: never encoded
         size = torch.tensor([len(data)], dtype=torch.int64)
         root = self.ranks[0]
         if self.rank != 0:
@@ -688,7 +688,7 @@ class Comm:
         size = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
             assert objs is not None and len(objs) == self.world
-            datas = [_encode(o) for o in objs]
+            datas = [b""] + [_encode(o) for o in objs[1:]]  # rank 0 keeps its own object: never encoded
             sizes = [torch.tensor([len(d)], dtype=torch.int64) for d in datas]
             self._run(self._td.scatter, size, sizes, src=root)
 

@@ -7,7 +7,6 @@ import json
 import os
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
@@ -106,9 +105,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.numpy().data.cast("B")
 
 
-@dataclass(slots=True)
-class WrittenChunk:
-    """Where a chunk landed: absolute byte offset in its file, length, block CRCs."""
+class WrittenChunk(msgspec.Struct, gc=False):
+    """Where a chunk landed: absolute byte offset in its file, length, block CRCs (a
+    record made in C: a save makes one per chunk it writes)."""
 
     offset: int
     length: int
@@ -195,7 +194,8 @@ def file_order(lengths: Sequence[int]) -> list[int]:
 
 def json_bytes(doc: object) -> bytes:
     """``json.dumps(doc, separators=(",", ":")).encode()`` of a document of strings,
-    integers, lists and dicts (a header, an index), byte for byte, made by msgspec in
+    integers, lists, tuples, dicts and msgspec records (as ``msgspec.to_builtins``
+    makes them: a header's declared tensors), an index, byte for byte, made by msgspec in
     C where that gives the same bytes: msgspec writes non-ASCII characters and DEL
     (0x7f) as they are where the json module escapes them (``\\u00e9``, ``\\u007f``), and
     otherwise writes such a document identically; any other output, or a value
@@ -206,7 +206,7 @@ def json_bytes(doc: object) -> bytes:
         out = None
     if out is not None and out.isascii() and b"\x7f" not in out:
         return out
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return json.dumps(doc, separators=(",", ":"), default=msgspec.to_builtins).encode()
 
 
 _ENCODE = msgspec.json.Encoder().encode
@@ -224,9 +224,27 @@ def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]], fmt: st
     for tname, code, shape, n in tensors:
         header[tname] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
+    return _header_out(header, align)
+
+
+def _header_out(header: dict[str, object], align: int) -> bytes:
+    """The 8-byte length and the JSON of ``header``, padded to ``align`` (:func:`header_bytes`)."""
     hb = json_bytes(header)
     hb += b" " * (-(8 + len(hb)) % align)
     return struct.pack("<Q", len(hb)) + hb
+
+
+#: Each torch dtype met, with its safetensors code (None: stored as raw bytes).
+_CODES: dict[torch.dtype, str | None] = {}
+
+
+class _Declared(msgspec.Struct, gc=False):
+    """One tensor of a data file's header, as JSON writes it (made in C: a save
+    declares every chunk it writes)."""
+
+    dtype: str
+    shape: Sequence[int]
+    data_offsets: tuple[int, int]
 
 
 def data_header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) -> bytes:
@@ -235,8 +253,13 @@ def data_header(tensors: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) 
     :data:`ALIGN` (:func:`header_bytes`; the caller puts the chunks in
     :func:`file_order`). A dtype safetensors lacks is written as raw bytes (``U8`` of
     the byte length); the manifest keeps the real dtype."""
-    rows = []
-    for tname, dtype, shape, n in tensors:
-        code = DTYPES.get(dtype_name(dtype))
-        rows.append((tname, code or "U8", list(shape) if code else [n], n))
-    return header_bytes(rows, align=ALIGN)
+    header: dict[str, object] = {"__metadata__": {"format": "shardpoint"}}
+    pos = 0
+    codes = _CODES
+    for tname, dtype, shape, n in tensors:  # header_bytes' loop, the dtype's code looked up once per dtype
+        code = codes.get(dtype, "")
+        if code == "":
+            code = codes[dtype] = DTYPES.get(dtype_name(dtype))
+        header[tname] = _Declared(code, shape, (pos, pos + n)) if code else _Declared("U8", (n,), (pos, pos + n))
+        pos += n
+    return _header_out(header, ALIGN)

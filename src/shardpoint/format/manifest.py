@@ -197,11 +197,58 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """The sealed manifest file's bytes."""
-        doc = {
+        return seal(self._body())
+
+    def _body(self) -> bytes:
+        """The manifest's JSON before its seal: the bytes ``json.dumps(doc,
+        separators=(",", ":"), allow_nan=False)`` writes (every save before wrote them;
+        the format tests pin them), made by msgspec in C. The two differ only in
+        floats (msgspec writes ``1e16`` where ``repr`` writes ``1e+16``), non-ASCII
+        characters and DEL (msgspec writes them as they are, json escapes them) and a
+        non-finite float (json refuses it, msgspec writes ``null``): the document's
+        floats (``created``, the metrics) go in as ``repr`` already (``msgspec.Raw``),
+        and any other output, or a value msgspec refuses, is made by the json module."""
+        created: object = self.created
+        health: dict[str, object] | None = None
+        if self.nonfinite is not None:
+            health = {"nonfinite": self.nonfinite}
+            if self.nonfinite:  # what each finding is (a healthy checkpoint's record stays as it was)
+                health["nan"] = sorted(self.nan or [])
+                health["roles"] = {k: self.roles.get(k, "state") for k in self.nonfinite}
+            health["metrics"] = {k: _number_out(v) for k, v in sorted(self.metrics.items())}
+        floats_ok = True
+        if isinstance(self.created, float):
+            floats_ok = math.isfinite(self.created)
+            if floats_ok:
+                created = msgspec.Raw(float.__repr__(self.created).encode())
+        if health is not None:
+            metrics = cast("dict[str, object]", health["metrics"])
+            for k, v in metrics.items():
+                if isinstance(v, float):
+                    if not math.isfinite(v):
+                        floats_ok = False
+                        break
+                    metrics[k] = msgspec.Raw(float.__repr__(v).encode())
+        if floats_ok:
+            try:
+                out = _ENCODE(self._doc(created, health))
+            except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
+                out = None
+            if out is not None and out.isascii() and b"\x7f" not in out:
+                return out
+        if health is not None:
+            health["metrics"] = {k: _number_out(v) for k, v in sorted(self.metrics.items())}
+        # the json module, each record made JSON values in C as the encoder meets it
+        return json.dumps(self._doc(self.created, health), default=msgspec.to_builtins, separators=(",", ":"),
+                          allow_nan=False).encode()
+
+    def _doc(self, created: object, health: dict[str, object] | None) -> dict[str, object]:
+        """The manifest's members as written, in order (the seal aside)."""
+        doc: dict[str, object] = {
             "format": FORMAT_NAME,
             "version": self.version,
             "library_version": self.library_version,
-            "created": self.created,
+            "created": created,
             "world_size": self.world_size,
             "save_id": self.save_id,
             "checksum": {"algorithm": "crc32", "block_size": self.crc_block},
@@ -211,16 +258,9 @@ class Manifest:
         }
         if self.refs:
             doc["refs"] = self.refs
-        if self.nonfinite is not None:
-            health: dict[str, object] = {"nonfinite": self.nonfinite}
-            if self.nonfinite:  # what each finding is (a healthy checkpoint's record stays as it was)
-                health["nan"] = sorted(self.nan or [])
-                health["roles"] = {k: self.roles.get(k, "state") for k in self.nonfinite}
-            health["metrics"] = {k: _number_out(v) for k, v in sorted(self.metrics.items())}
+        if health is not None:
             doc["health"] = health
-        # written by the json module as every save before wrote them, each record made JSON values in C
-        # as the encoder meets it (a default hook: a whole-document to_builtins first costs twice as much)
-        return seal(json.dumps(doc, default=msgspec.to_builtins, separators=(",", ":"), allow_nan=False).encode())
+        return doc
 
     @classmethod
     def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:
@@ -317,6 +357,7 @@ def replaced_files(data: bytes, where: str = MANIFEST_NAME) -> tuple[str, list[s
 
 _Bad = Callable[[str], CorruptCheckpointError]
 _JSON = msgspec.json.Decoder()
+_ENCODE = msgspec.json.Encoder().encode
 _DOC = msgspec.json.Decoder(Document)
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 

@@ -43,7 +43,10 @@ def describe(state: Any) -> Described:
                     raise UnsupportedTypeError(f"key {key!r}: cannot encode {type(obj).__name__}") from None
                 continue
             if isinstance(obj, torch.Tensor):
-                _check_kind(key, obj, names)
+                # a DTensor's kind is its local shard's (whose attributes are read without
+                # DTensor's dispatch, several times cheaper)
+                local = obj if type(obj) is torch.Tensor else getattr(obj, "_local_tensor", None)
+                _check_kind(key, local if isinstance(local, torch.Tensor) else obj, names)
             lc = chunks_of(key, obj, seen)
             for v in lc.views:
                 if v.is_meta:
@@ -70,12 +73,12 @@ def _check_kind(key: str, t: torch.Tensor, names: dict[torch.dtype, str]) -> Non
     if t.is_nested:
         raise UnsupportedTypeError(f"key {key!r} is a nested tensor; shardpoint saves dense tensors. Save its "
                                    "pieces, `list(t.unbind())`, and nest them again after loading")
-    if t.is_quantized:
-        raise UnsupportedTypeError(
-            f"key {key!r} is a quantized tensor ({t.dtype}); save `t.int_repr()` with its scale and zero point "
-            "(`t.q_scale()`, `t.q_zero_point()`), or `t.dequantize()`")
     dtype = t.dtype
-    if dtype not in names:
+    if dtype not in names:  # a dtype found good before is no quantized one (a quantized tensor has a q-dtype)
+        if t.is_quantized:
+            raise UnsupportedTypeError(
+                f"key {key!r} is a quantized tensor ({t.dtype}); save `t.int_repr()` with its scale and zero point "
+                "(`t.q_scale()`, `t.q_zero_point()`), or `t.dequantize()`")
         name = dtype_name(dtype)
         if name not in DTYPES:
             raise UnsupportedTypeError(f"key {key!r} has dtype {dtype}, which the checkpoint format does not hold "

@@ -38,16 +38,19 @@ class Stage:
         rows = described.rows
         self.rows: list[int | None] = list(mine)
         at: dict[tuple[int, ...], str] = {}  # a box's part of a name: a model's chunks share a few boxes
-        self.names = []
-        for i in mine:
-            off = tuple(rows.offsets[i])
-            a = at.get(off)
+        every = len(mine) == n  # often: this rank writes all of its rows
+        keys = rows.keys if every else [rows.keys[i] for i in mine]
+        names: list[str] = []
+        self.names = names
+        for key, off in zip(keys, rows.offsets if every else [rows.offsets[i] for i in mine]):
+            box = tuple(off)
+            a = at.get(box)
             if a is None:
-                a = at[off] = box_at(off)
-            self.names.append(chunk_name(rows.keys[i], off, at=a))
-        self.views = [described.views[i] for i in mine]
+                a = at[box] = box_at(box)
+            names.append(key + a)  # chunk_name(key, box, at=a), inline: one a chunk
+        self.views = list(described.views) if every else [described.views[i] for i in mine]
         # a per-rank chunk's key is what a message names
-        self.keys = [rows.keys[i] for i in mine]
+        self.keys = list(keys)
         for pkey, sub in described.per_rank.items():
             for i, v in enumerate(sub.views):
                 if v.numel():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -105,23 +106,33 @@ def write_data_file(storage: Storage, name: str, chunks: Sequence[tuple[str, tor
     lengths = [t.nbytes for _, t in chunks]
     order = datafile.file_order(lengths)
     if order == list(range(len(chunks))):  # often: every chunk a multiple of 64 bytes
-        return _write_in_order(storage, name, [c[0] for c in chunks], sources([c[1] for c in chunks], pool()), lengths)
-    placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order],
-                                  sources([chunks[i][1] for i in order], pool()), [lengths[i] for i in order])
+        views = [c[1] for c in chunks]
+        return _write_in_order(storage, name, [c[0] for c in chunks], views, _sources(views), lengths)
+    views = [chunks[i][1] for i in order]
+    placed, bad = _write_in_order(storage, name, [chunks[i][0] for i in order], views, _sources(views),
+                                  [lengths[i] for i in order])
     written = placed[:]
     for w, i in zip(placed, order):
         written[i] = w
     return written, {order[j]: kind for j, kind in bad.items()}
 
 
-def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[Source], lengths: list[int]
-                    ) -> tuple[list[WrittenChunk], dict[int, int]]:
-    """:func:`write_data_file` of ``srcs`` (of ``lengths`` bytes) in the order given."""
+def _sources(views: list[torch.Tensor]) -> list[Source] | None:
+    """The :func:`sources` of ``views``, or None when every one streams in place (CPU
+    memory, the common case: no source object a chunk)."""
+    if PROCESS.seams.force_pool or not all(v.is_cpu for v in views):
+        return sources(views, pool())
+    return None
+
+
+def _write_in_order(storage: Storage, name: str, names: list[str], tensors: list[torch.Tensor],
+                    srcs: list[Source] | None, lengths: list[int]) -> tuple[list[WrittenChunk], dict[int, int]]:
+    """:func:`write_data_file` of ``tensors`` (of ``lengths`` bytes) in the order given,
+    through ``srcs`` (their :func:`sources`; None: every one streams in place)."""
     health = PROCESS.seams.health_check
     bad: dict[int, int] = {}
-    tensors = [src.tensor for src in srcs]
     dtypes = [t.dtype for t in tensors]
-    header = data_header([(n, dt, tuple(t.shape), length) for n, dt, t, length in zip(names, dtypes, tensors, lengths)])
+    header = data_header(list(zip(names, dtypes, [t.shape for t in tensors], lengths)))
     crcs: list[list[int]] = []
     block = datafile.CRC_BLOCK  # read at the call: tests shrink it
     scanned = _scanned(dtypes) if health else None  # the dtypes whose values the health scan looks at
@@ -130,13 +141,14 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
 
     def parts() -> Iterator[memoryview | bytes]:
         yield header
-        for j, (src, n) in enumerate(zip(srcs, lengths)):
+        for j, (t, n) in enumerate(zip(tensors, lengths)):
             dtype = dtypes[j] if scanned is not None and dtypes[j] in scanned else None
-            if src.copier is None and n <= block:  # the common case: one piece in one CRC block, no generator
+            src = srcs[j] if srcs is not None else None
+            if (src is None or src.copier is None) and n <= block:  # the common case: one piece in one CRC block
                 if not n:
                     crcs.append([0])
                     continue
-                piece = cpu_bytes(src.tensor)
+                piece = cpu_bytes(t)
                 if len(piece) != n:  # pragma: no cover - a source that lied about its size
                     raise InternalError(f"chunk {names[j]!r}: {len(piece)} bytes streamed, {n} expected; this is a bug")
                 crcs.append([crc32(piece, 0)])
@@ -151,7 +163,7 @@ def _write_in_order(storage: Storage, name: str, names: list[str], srcs: list[So
                 continue
             these: list[int] = []
             crc, filled, seen = 0, 0, 0
-            for view in src.pieces():
+            for view in (src if src is not None else Source(t)).pieces():
                 i = 0
                 while i < len(view):  # pieces cut at CRC block boundaries
                     piece = view[i : i + block - filled]
@@ -199,28 +211,29 @@ _BATCH = 1 << 20
 
 
 class _SmallScan:
-    """The health scan of small chunks, batched: each chunk's bytes are copied, when
-    they are checksummed and streamed, after the others of its dtype; a batch whose
-    values are all finite (the common case) clears all of its chunks with one
-    :func:`_health`, and only a batch that is not is scanned again chunk by chunk, so
-    each chunk's finding is exactly its own. ``bad``: the findings by chunk index,
-    filled as batches fill and by :meth:`close`."""
+    """The health scan of small chunks, batched: each chunk's bytes, when they are
+    checksummed and streamed, join the others of its dtype (kept by reference, joined
+    in one copy when the batch is scanned: the chunks' memory stays as it is while the
+    save writes it); a batch whose values are all finite (the common case) clears all
+    of its chunks with one :func:`_health`, and only a batch that is not is scanned
+    again chunk by chunk, so each chunk's finding is exactly its own. ``bad``: the
+    findings by chunk index, filled as batches fill and by :meth:`close`."""
 
     __slots__ = ("_bad", "_batches")
 
     def __init__(self, bad: dict[int, int]) -> None:
         self._bad = bad
-        self._batches: dict[torch.dtype, tuple[bytearray, list[tuple[int, int, int]]]] = {}
+        #: per dtype: [bytes so far, the chunks' indexes, their pieces]
+        self._batches: dict[torch.dtype, list[Any]] = {}
 
     def add(self, j: int, piece: memoryview, dtype: torch.dtype) -> None:
         got = self._batches.get(dtype)
         if got is None:
-            got = self._batches[dtype] = (bytearray(), [])
-        buf, members = got
-        start = len(buf)
-        buf += piece
-        members.append((j, start, len(buf)))
-        if len(buf) >= _BATCH:
+            got = self._batches[dtype] = [0, [], []]
+        got[1].append(j)
+        got[2].append(piece)
+        got[0] += len(piece)
+        if got[0] >= _BATCH:
             self._scan(dtype)
 
     def close(self) -> None:
@@ -229,14 +242,17 @@ class _SmallScan:
             self._scan(dtype)
 
     def _scan(self, dtype: torch.dtype) -> None:
-        buf, members = self._batches.pop(dtype)
-        if _health(memoryview(buf), dtype) == FINITE:
+        _, members, pieces = self._batches.pop(dtype)
+        view = memoryview(b"".join(pieces))
+        if _health(view, dtype) == FINITE:
             return
-        view = memoryview(buf)
-        for j, a, b in members:
+        a = 0
+        for j, piece in zip(members, pieces):
+            b = a + len(piece)
             kind = _health(view[a:b], dtype)
             if kind:
                 self._bad[j] = kind
+            a = b
 
 
 def _health(piece: memoryview, dtype: torch.dtype) -> int:
