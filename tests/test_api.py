@@ -800,3 +800,17 @@ def test_parameters_that_require_grad_load_in_place_whole_and_in_parts(tmp_path:
     assert sorted(report.cast) == ["b", "w"]
     assert torch.equal(big.detach().t(), saved["w"].double()) and big.grad is None and big.is_leaf
     assert torch.equal(into["b"].detach(), saved["b"].float())
+
+
+def test_a_conjugate_or_negative_view_is_loaded_as_the_values_it_shows(tmp_path: Path) -> None:
+    """A view whose conjugate or negative bit is set shows other values than the bytes
+    in its memory: a load copies into it (no raw bytes written under it), so each
+    view then shows the saved values."""
+    z, r = torch.randn(5, dtype=torch.complex64), torch.randn(5)
+    shardpoint.save({"z": z, "r": r}, tmp_path / "ck")
+    zmem, rmem = torch.zeros(5, dtype=torch.complex64), torch.zeros(5, dtype=torch.complex64)
+    into = {"z": zmem.conj(), "r": rmem.conj().imag}  # the conjugate bit; the negative bit (a real view)
+    assert into["z"].is_conj() and into["r"].is_neg()
+    shardpoint.load(into, tmp_path / "ck")
+    assert torch.equal(into["z"].resolve_conj(), z) and torch.equal(zmem, z.conj())
+    assert torch.equal(into["r"].resolve_neg(), r) and torch.equal(rmem.imag, -r)
