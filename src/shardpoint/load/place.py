@@ -257,17 +257,23 @@ class TreeLoad:
         k = node.kind
         if k in _CONTAINERS:
             obj = node.obj
-            items = []
+            items: list[object] = []  # a tuple's new items (a dict or list is changed in place)
+            tup = k == "tuple"
             for seg, child in node.children.items():
                 ck = child.kind
                 if ck == "tensor" or (ck in _CONTAINERS and child.key not in dirty):
-                    items.append(child.obj)  # nothing below it changes
+                    if tup:
+                        items.append(child.obj)  # nothing below it changes
                     continue
                 v = self.fill(child, child.key, dirty)
-                items.append(v)
-                if k != "tuple" and obj[seg] is not v:
+                if tup:
+                    items.append(v)
+                elif obj[seg] is not v:
                     obj[seg] = v
-            for seg, v in sorted(self.pending.get(key, []), key=lambda sv: (isinstance(sv[0], str), sv[0])):
+            pend = self.pending.get(key)
+            if pend and not tup:
+                items = [None] * len(node.children)  # only counted below
+            for seg, v in sorted(pend or (), key=lambda sv: (isinstance(sv[0], str), sv[0])):
                 v = build(v)
                 if k == "dict":
                     obj[seg] = v
