@@ -270,21 +270,21 @@ class TreeLoad:
                     items.append(v)
                 elif obj[seg] is not v:
                     obj[seg] = v
-            pend = self.pending.get(key)
-            if pend and not tup:
-                items = [None] * len(node.children)  # only counted below
-            for seg, v in sorted(pend or (), key=lambda sv: (isinstance(sv[0], str), sv[0])):
+            n = len(node.children)  # a list's or tuple's items so far
+            for seg, v in sorted(self.pending.get(key, ()), key=lambda sv: (isinstance(sv[0], str), sv[0])):
                 v = build(v)
                 if k == "dict":
                     obj[seg] = v
-                elif seg == len(items):
-                    items.append(v)
-                    if k == "list":
+                elif seg == n:
+                    n += 1
+                    if tup:
+                        items.append(v)
+                    else:
                         obj.append(v)
                 else:
                     self.report.created.remove(join(key, seg)) if join(key, seg) in self.report.created else None
                     self.report.unexpected.append(join(key, seg))
-            return tuple(items) if k == "tuple" else obj
+            return tuple(items) if tup else obj
         if k == "stateful":
             assert node.inner is not None
             sd = self.fill(node.inner, key, dirty)

@@ -161,13 +161,8 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         prefix = "/per_rank/" + key if t.per_rank else key
         # each view's bytes where the reads can go straight into them (torch's dtypes are one object each;
         # a view with the conjugate or negative bit set holds other values than its bytes: copied into)
-        if len(views) == 1:
-            v = views[0]
-            bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg())
-                     else None]
-        else:
-            bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg())
-                     else None for v in views]
+        bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg())
+                 else None for v in views]
         for target, region, first, last, contiguous, narrows, span, box, numel, rank, at, loc in steps:
             if loc is None:
                 name = prefix + at
