@@ -157,36 +157,57 @@ def main() -> int:
 
     import shardpoint
 
-    counted = shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
+    counted = callgrind_here()
     with tempfile.TemporaryDirectory() as d:
         ck = os.path.join(d, "ck")
         run_ranks(_save, 2, ck, timeout=600)
-        cmd = [sys.executable, __file__, "--loads", str(args.loads), *(["--phases"] if args.phases else []),
-               "--worker", ck, "counted" if counted else "-"]
-        if counted:
-            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={d}/cg.out"] + cmd
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        text = out.stdout + out.stderr
-        if out.returncode != 0:
-            print(text[-4000:], file=sys.stderr)
-            return 1
-        parts = _parts(d) if counted and args.phases else {}
+        got = run_worker(__file__, ["--loads", str(args.loads), *(["--phases"] if args.phases else []),
+                                    "--worker", ck, "counted" if counted else "-"], d, counted, args.phases)
+    if got is None:
+        return 1
+    text, parts = got
     print(f"shardpoint {shardpoint.__version__} from {Path(shardpoint.__file__).parent}")
     wall = re.search(r"wall ([0-9.]+) ms", text)
     print(f"wall time a load (under valgrind when counted): {wall.group(1) if wall else '?'} ms")
+    print_counts("a load without its reads", text, parts, args.loads, PHASES)
+    return 0
+
+
+def callgrind_here() -> bool:
+    """Whether this machine has valgrind's callgrind and its control command."""
+    return shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
+
+
+def run_worker(script: str, args: list[str], d: str, counted: bool, phases: bool) -> tuple[str, dict[str, int]] | None:
+    """Run ``script`` with ``args`` (its worker), under callgrind when ``counted``
+    (its counters in ``d``): its output, and with ``phases`` the instructions by
+    label (:func:`_parts`); None, its output printed, when it failed."""
+    cmd = [sys.executable, script, *args]
+    if counted:
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={d}/cg.out"] + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    text = out.stdout + out.stderr
+    if out.returncode != 0:
+        print(text[-4000:], file=sys.stderr)
+        return None
+    return text, (_parts(d) if counted and phases else {})
+
+
+def print_counts(what: str, text: str, parts: dict[str, int], n: int, phases: list[tuple[str, str]]) -> None:
+    """Millions of instructions of each of ``n`` runs of ``what``, and of each part of
+    ``phases`` counted (a dump's own cost taken off)."""
     whole = parts.pop("whole", None)
     got = re.search(r"Collected : (\d+)", text)
     if whole is not None:
-        print(f"a load without its reads: {whole / args.loads / 1e6:.2f} M instructions")
+        print(f"{what}: {whole / n / 1e6:.2f} M instructions")
     elif got:
-        print(f"a load without its reads: {int(got.group(1)) / args.loads / 1e6:.2f} M instructions")
+        print(f"{what}: {int(got.group(1)) / n / 1e6:.2f} M instructions")
     if parts:
         over = parts.pop("overhead", 0)
-        for name in dict.fromkeys(name for name, _attr in PHASES):
+        for name in dict.fromkeys(name for name, _attr in phases):
             if name in parts:
-                print(f"  {name}: {(parts[name] - over) / args.loads / 1e6:.2f} M")
-    return 0
+                print(f"  {name}: {(parts[name] - over) / n / 1e6:.2f} M")
 
 
 def _parts(d: str) -> dict[str, int]:

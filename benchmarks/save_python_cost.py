@@ -30,7 +30,6 @@ import argparse
 import builtins
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from load_python_cost import _dump, _parts, _state  # noqa: E402
+from load_python_cost import _dump, _state, callgrind_here, print_counts, run_worker  # noqa: E402
 from load_python_cost import _phased as _phased_in  # noqa: E402
 
 #: The parts of a save counted apart with ``--phases``: (name, attribute of
@@ -182,36 +181,19 @@ def main() -> int:
         return 0
     import shardpoint
 
-    counted = shutil.which("valgrind") is not None and shutil.which("callgrind_control") is not None
+    counted = callgrind_here()
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, __file__, "--saves", str(args.saves), *(["--phases"] if args.phases else []),
-               "--worker", "counted" if counted else "-"]
-        if counted:
-            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={d}/cg.out"] + cmd
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        text = out.stdout + out.stderr
-        if out.returncode != 0:
-            print(text[-4000:], file=sys.stderr)
-            return 1
-        parts = _parts(d) if counted and args.phases else {}
+        got = run_worker(__file__, ["--saves", str(args.saves), *(["--phases"] if args.phases else []),
+                                    "--worker", "counted" if counted else "-"], d, counted, args.phases)
+    if got is None:
+        return 1
+    text, parts = got
     print(f"shardpoint {shardpoint.__version__} from {Path(shardpoint.__file__).parent}")
     wall = re.search(r"wall ([0-9.]+) ms a save; manifest (\S+) bytes", text)
     print(f"wall time a save (under valgrind when counted): {wall.group(1) if wall else '?'} ms; "
           f"manifest {wall.group(2) if wall else '?'} bytes")
-    whole = parts.pop("whole", None)
-    got = re.search(r"Collected : (\d+)", text)
-    if whole is not None:
-        print(f"a save without its writes: {whole / args.saves / 1e6:.2f} M instructions")
-    elif got:
-        print(f"a save without its writes: {int(got.group(1)) / args.saves / 1e6:.2f} M instructions")
-    if parts:
-        over = parts.pop("overhead", 0)
-        for name, _attr in PHASES:
-            if name in parts:
-                print(f"  {name}: {(parts[name] - over) / args.saves / 1e6:.2f} M")
+    print_counts("a save without its writes", text, parts, args.saves, PHASES)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
