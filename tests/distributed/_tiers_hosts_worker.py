@@ -48,11 +48,11 @@ def tier(base: str, replicas: int, keep: int = 2) -> MemoryTier:
     return MemoryTier(every=1, durable_every=5, keep=keep, replicas=replicas, path=os.path.join(base, socket.gethostname()))
 
 
-def train_step(m: Any, opt: Any, sched: Any, i: int, rank: int, world: int) -> float:
-    """One step on this rank's share of a global batch of 8; returns the global loss."""
+def train_step(m: Any, opt: Any, sched: Any, i: int, rank: int, world: int, batch: int = BATCH) -> float:
+    """One step on this rank's share of a global batch of ``batch``; returns the global loss."""
     g = torch.Generator().manual_seed(1000 + i)
-    x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 2, generator=g)
-    n = BATCH // world
+    x, y = torch.randn(batch, 6, generator=g), torch.randn(batch, 2, generator=g)
+    n = batch // world
     loss = torch.nn.functional.mse_loss(m(x[rank * n: (rank + 1) * n]), y[rank * n: (rank + 1) * n])
     loss.backward()
     opt.step()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import shardpoint
 from shardpoint.tiers import MemoryTier
 from tests.distributed._tiers_hosts_worker import as_bytes
+from tests.distributed._tiers_hosts_worker import train_step as hosts_train_step
 from tests.distributed.test_train_state import build, snapshot
 
 BATCH = 24  # a whole share on 2, 4 and 6 ranks
@@ -59,17 +60,7 @@ def ballast(mb: float, fill: bool) -> Any:
 
 def train_step(m: Any, opt: Any, sched: Any, i: int, rank: int, world: int) -> float:
     """One step on this rank's share of a global batch of 24; returns the global loss."""
-    g = torch.Generator().manual_seed(1000 + i)
-    x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 2, generator=g)
-    n = BATCH // world
-    loss = torch.nn.functional.mse_loss(m(x[rank * n: (rank + 1) * n]), y[rank * n: (rank + 1) * n])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    sched.step()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return float(total) / world
+    return hosts_train_step(m, opt, sched, i, rank, world, batch=BATCH)
 
 
 def state_of(m: Any, opt: Any, sched: Any, big: Any, i: int) -> dict[str, Any]:
