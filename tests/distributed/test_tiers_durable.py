@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.distributed.test_tiers_hosts import _env
-from tests.distributed.test_tiers_peer import SLACK, check, hosts, resume, train_then_lose
+from tests.distributed.test_tiers_peer import SLACK, check, hosts, new_run, resume, train_then_lose
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 MB = 12.0  # the ballast: 2 MiB of it per saving rank on 6 ranks, 3 MiB per rank on 4
@@ -65,13 +64,7 @@ def test_two_hosts_lost_with_replicas_1_the_lost_files_come_from_the_root(tmp_pa
     ranks read. Then on A alone with 3 ranks (one host: no peers) the same. Byte-equal
     to the uninterrupted run at step 7, losses continuing equal."""
     env = {**_env(), "TIERS_DURABLE_EVERY": "7"}
-    out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-durable-{uuid.uuid4().hex[:8]}"
-    out.mkdir()
-    root = tmp_path / "root"
-    tag = uuid.uuid4().hex[:6]
-    names = [f"da{tag}", f"db{tag}", f"dc{tag}"]
-    job = f"durable-{tag}"
-    argv = [str(out), base, str(root), str(MB)]
+    out, root, base, names, job, argv = new_run(tmp_path, "durable", "d", 3, str(MB))
     try:
         with hosts(3) as ns:
             train_then_lose(tmp_path, ns, names, 2, job, argv, env, [1, 2], base)

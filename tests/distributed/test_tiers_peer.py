@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -148,6 +148,30 @@ def per_host(results: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+class Run(NamedTuple):
+    """One test's run of the workers: their output folder, the durable root, the
+    memory tier's base folder in /dev/shm (the test removes it), the hosts' namespace
+    names, the job's name and the workers' arguments."""
+
+    out: Path
+    root: Path
+    base: str
+    names: list[str]
+    job: str
+    argv: list[str]
+
+
+def new_run(tmp_path: Path, kind: str, prefix: str, n_hosts: int, mb: str) -> Run:
+    """A fresh :class:`Run`: namespaces named ``prefix`` + a, b, ... + a tag, the job
+    ``kind`` + the tag, ``mb`` MB of ballast a rank."""
+    out, root = tmp_path / "out", tmp_path / "root"
+    out.mkdir()
+    base = f"/dev/shm/shardpoint-test-{kind}-{uuid.uuid4().hex[:8]}"
+    tag = uuid.uuid4().hex[:6]
+    names = [f"{prefix}{chr(ord('a') + i)}{tag}" for i in range(n_hosts)]
+    return Run(out, root, base, names, f"{kind}-{tag}", [str(out), base, str(root), mb])
+
+
 def snapshot_bytes(root: Path) -> int:
     """The data files' bytes of the durable step 5 (the snapshot of step 7 has the same layout)."""
     man = json.loads((root / "step-00000005" / "manifest.json").read_text())
@@ -164,13 +188,7 @@ def test_two_hosts_host_lost_then_an_empty_replacement_fetches_only_its_ranks_by
     3): its rank reads part of old rank 2's file, and B' receives that part, not the
     file. Each byte-equal to the run at step 7, losses continuing equal."""
     env = _env()
-    out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-peer-{uuid.uuid4().hex[:8]}"
-    out.mkdir()
-    root = tmp_path / "root"
-    tag = uuid.uuid4().hex[:6]
-    names = [f"pa{tag}", f"pb{tag}"]
-    job = f"peer-{tag}"
-    argv = [str(out), base, str(root), str(MB)]
+    out, root, base, names, job, argv = new_run(tmp_path, "peer", "p", 2, str(MB))
     try:
         with hosts(2) as ns:
             train_then_lose(tmp_path, ns, names, 2, job, argv, env, 1, base)
@@ -224,13 +242,7 @@ def test_three_hosts_one_lost_restore_on_two_hosts_of_three_ranks(tmp_path: Path
     A, which holds their replicas), no more than 1.1x what they need; byte-equal to
     the run at step 7, losses continuing equal."""
     env = _env()
-    out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-peer-{uuid.uuid4().hex[:8]}"
-    out.mkdir()
-    root = tmp_path / "root"
-    tag = uuid.uuid4().hex[:6]
-    names = [f"pa{tag}", f"pb{tag}", f"pc{tag}"]
-    job = f"peer3-{tag}"
-    argv = [str(out), base, str(root), str(MB)]
+    out, root, base, names, job, argv = new_run(tmp_path, "peer3", "p", 3, str(MB))
     try:
         with hosts(3) as ns:
             train_then_lose(tmp_path, ns, names, 2, job, argv, env, 2, base)
@@ -259,13 +271,7 @@ def test_a_holder_that_dies_mid_transfer_fails_the_restore_naming_it(tmp_path: P
     (no hang), its failing rank with an error naming the rank and host it was
     fetching from, and no range is left behind."""
     env = _env()
-    out, base = tmp_path / "out", f"/dev/shm/shardpoint-test-peer-{uuid.uuid4().hex[:8]}"
-    out.mkdir()
-    root = tmp_path / "root"
-    tag = uuid.uuid4().hex[:6]
-    names = [f"pa{tag}", f"pb{tag}"]
-    job = f"peerdie-{tag}"
-    argv = [str(out), base, str(root), "24"]
+    out, root, base, names, job, argv = new_run(tmp_path, "peerdie", "p", 2, "24")
     try:
         with hosts(2) as ns:
             train_then_lose(tmp_path, ns, names, 2, job, argv, env, 1, base)
