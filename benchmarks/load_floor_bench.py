@@ -56,6 +56,7 @@ def _load(rank: int, world: int, root: str, size_mb: int, repeat: int, dcp: bool
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import shardpoint
+    from shardpoint.storage.local import LocalStorage
 
     model, opt = make_fsdp(size_mb, world, seed=1, step=False)
     msd, osd = get_state_dict(model, opt)  # initialises AdamW's state: a target to load into
@@ -84,9 +85,10 @@ def _load(rank: int, world: int, root: str, size_mb: int, repeat: int, dcp: bool
         read_all(buf, starts, None, False)
 
     def floor_crc() -> None:
-        """The floor of a verified read: the same reads in 4 MiB pieces, each CRC-32'd
-        (shardpoint's CRC, zlib-ng's) right after it is read."""
-        read_all(buf, starts, 4 << 20, True)
+        """The floor of a verified read: the same reads in pieces of the local storage's
+        ``read_piece`` (256 KiB), each CRC-32'd (shardpoint's CRC, zlib-ng's) right
+        after it is read, while it is in the CPU's cache."""
+        read_all(buf, starts, LocalStorage.read_piece, True)
 
     def floor_unaligned() -> None:
         read_all(memoryview(unaligned), [sum(sizes[:i]) for i in range(len(sizes))], None, False)
@@ -145,7 +147,7 @@ def main() -> int:
               f"{r['sp_load'] / r['floor_crc']:.2f}x | {r['sp_noverify']:.3f} | {r['sp_noverify'] / fl:.2f}x | {dcp} | "
               f"{r['floor_unaligned']:.3f} | {r['sp_load'] / r['floor_unaligned']:.2f}x |")
     print("\ngoal: shardpoint / floor <= 1.25 on every row. floor: readinto a preallocated buffer, each file's bytes "
-          "64-byte aligned as in the file; floor + CRC: the same with a CRC-32 of each 4 MiB piece (DCP verifies "
+          "64-byte aligned as in the file; floor + CRC: the same with a CRC-32 of each 256 KiB piece (DCP verifies "
           "nothing); unaligned floor: into a bytearray, the floor measured until 2026-11-25, whose first byte lies 16 "
           "bytes past a 64-byte boundary (the kernel's copy into it is slower)")
     return 0

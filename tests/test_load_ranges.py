@@ -69,3 +69,30 @@ def test_corruption_outside_the_touched_blocks_does_not_fail_a_partial_read(ckpt
     assert torch.equal(target, w[100:400])
     with pytest.raises(shardpoint.CorruptCheckpointError):
         shardpoint.load_full(path)  # a full read does meet it
+
+
+@pytest.mark.parametrize("batch", [8 << 20, 512], ids=["one task a chunk", "one task a block"])
+def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_block(ckpt, monkeypatch, batch: int) -> None:  # type: ignore[no-untyped-def]
+    """A verified read of whole blocks asks for ``read_piece`` bytes at a time and
+    chains each piece's CRC into its block's (here 64-byte pieces of 256-byte blocks):
+    the values are exact, and a flipped byte in a block's third piece fails that block,
+    named by key and byte range."""
+    from shardpoint.storage.local import LocalStorage
+
+    path, w = ckpt
+    monkeypatch.setattr(LocalStorage, "read_piece", 64)
+    monkeypatch.setattr(LocalStorage, "read_batch", batch)  # 512: the chunk is cut into a task per block
+    target = torch.zeros(1000)
+    r = shardpoint.load({"w": target}, path)
+    assert torch.equal(target, w) and r.bytes_read == 4000
+    f, at = _data_file(path), _chunk_offset(path)
+    intact = f.read_bytes()
+    data = bytearray(intact)
+    data[at + 2 * BLOCK + 150] ^= 0x10  # block 2, its third 64-byte piece
+    f.write_bytes(bytes(data))
+    with pytest.raises(shardpoint.CorruptCheckpointError,
+                       match=rf"checksum mismatch in .* \(bytes {at + 2 * BLOCK}\.\.{at + 3 * BLOCK}\) for key 'w'"):
+        shardpoint.load({"w": torch.zeros(1000)}, path)
+    f.write_bytes(intact[: at + 3 * BLOCK + 10])  # ends in block 3's first piece
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="key 'w'.*truncated"):
+        shardpoint.load({"w": torch.zeros(1000)}, path)

@@ -244,9 +244,10 @@ class Reader:
         batch = self.storage.read_batch
         small_max = batch // 8
         piece = self.storage.read_piece
+        most = None if piece is None else max(piece, small_max)  # larger whole chunks: a run of their own
         for j in jobs:
             loc = j.loc
-            if piece is not None and j.out is not None and j.lo == 0 and 0 < j.hi == loc.length <= piece:
+            if most is not None and j.out is not None and j.lo == 0 and 0 < j.hi == loc.length <= most:
                 got = whole.get(loc.file)
                 if got is None:
                     whole[loc.file] = [j]
@@ -321,10 +322,10 @@ class Reader:
 
     def _pieces(self, j: ReadJob) -> list[ReadJob]:
         """A large job straight into a contiguous CPU target, cut at checksum block
-        boundaries into pieces of about the storage's ``read_piece`` bytes: each
-        piece's CRCs are computed right after its read, while its bytes are still in
-        the CPU's cache, and the pieces of one tensor are read in parallel. Whole on
-        a storage that takes a range in one call (an object store: a request each)."""
+        boundaries into jobs of at least the storage's ``read_piece`` bytes (a block
+        each locally), read in parallel; each reads its blocks ``read_piece`` bytes at
+        a time (:meth:`_read_blocks`). Whole on a storage that takes a range in one call
+        (an object store: a request each)."""
         piece, out = self.storage.read_piece, j.out
         if piece is None or out is None:
             return [j]
@@ -402,6 +403,11 @@ class Reader:
         if view is None:
             assert j.out is not None
             view = j.out
+        a, b = self._span(j.loc, j.lo, j.hi)
+        piece = self.storage.read_piece
+        if self.verify and a == j.lo and b == j.hi and piece is not None and len(view) > piece:
+            self._read_blocks(j, view, piece)  # whole blocks, each piece's CRC while it is in cache
+            return len(view)
         try:
             self.storage.read_into(j.loc.file, j.loc.offset + j.lo, view)
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
@@ -411,11 +417,30 @@ class Reader:
         if j.lo == 0 and j.hi == j.loc.length:  # a whole chunk: its blocks, no partial ones at the ends
             self._check_whole(j, view)
             return len(view)
-        a, b = self._span(j.loc, j.lo, j.hi)
         head = self._read(j, j.loc.file, j.loc.offset + a, j.lo - a) if j.lo > a else b""
         tail = self._read(j, j.loc.file, j.loc.offset + j.hi, b - j.hi) if b > j.hi else b""
         self._check(j, a, b, j.lo, j.hi, head, view, tail)
         return len(view) + len(head) + len(tail)
+
+    def _read_blocks(self, j: ReadJob, view: memoryview, piece: int) -> None:
+        """Bytes ``[lo, hi)`` of a chunk, whole checksum blocks, into ``view`` with one
+        read of at most ``piece`` bytes at a time, each CRC-32 computed right after its
+        read (chained across a block's pieces) while the bytes are still in the CPU's
+        cache; a block is checked once its last piece is in."""
+        blk, loc, lo = self.block, j.loc, j.lo
+        at, n = loc.offset + lo, len(view)
+        for s in range(0, n, blk):
+            e = min(s + blk, n)
+            crc = 0
+            for p in range(s, e, piece):
+                v = view[p : min(p + piece, e)]
+                try:
+                    self.storage.read_into(loc.file, at + p, v)
+                except (CorruptCheckpointError, OSError) as err:  # missing, truncated, unreadable: name the key too
+                    raise CorruptCheckpointError(f"key {j.key!r}: {err}") from None
+                crc = crc32(v, crc)
+            if crc != loc.crc32[(lo + s) // blk]:
+                self._mismatch(j, lo + s, lo + e)
 
     def _span(self, loc: ChunkLoc, lo: int, hi: int) -> tuple[int, int]:
         """``[lo, hi)`` rounded out to whole checksum blocks (when verifying)."""
