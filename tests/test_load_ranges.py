@@ -71,17 +71,21 @@ def test_corruption_outside_the_touched_blocks_does_not_fail_a_partial_read(ckpt
         shardpoint.load_full(path)  # a full read does meet it
 
 
-@pytest.mark.parametrize("batch", [8 << 20, 512], ids=["one task a chunk", "one task a block"])
-def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_block(ckpt, monkeypatch, batch: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("batch", [8 << 20, 512], ids=["a small chunk", "a large chunk"])
+def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_block(  # type: ignore[no-untyped-def]
+        ckpt, monkeypatch, batch: int, threads: str) -> None:
     """A verified read of whole blocks asks for ``read_piece`` bytes at a time and
     chains each piece's CRC into its block's (here 64-byte pieces of 256-byte blocks):
     the values are exact, and a flipped byte in a block's third piece fails that block,
-    named by key and byte range."""
+    named by key and byte range. A large chunk is cut into a task per block when the
+    rank reads with more than one thread."""
     from shardpoint.storage.local import LocalStorage
 
     path, w = ckpt
     monkeypatch.setattr(LocalStorage, "read_piece", 64)
-    monkeypatch.setattr(LocalStorage, "read_batch", batch)  # 512: the chunk is cut into a task per block
+    monkeypatch.setattr(LocalStorage, "read_batch", batch)  # 512: "large" is above 64 bytes
+    monkeypatch.setenv("SHARDPOINT_IO_THREADS", threads)
     target = torch.zeros(1000)
     r = shardpoint.load({"w": target}, path)
     assert torch.equal(target, w) and r.bytes_read == 4000
@@ -96,3 +100,24 @@ def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_bloc
     f.write_bytes(intact[: at + 3 * BLOCK + 10])  # ends in block 3's first piece
     with pytest.raises(shardpoint.CorruptCheckpointError, match="key 'w'.*truncated"):
         shardpoint.load({"w": torch.zeros(1000)}, path)
+
+
+def test_read_into_crcs_gives_each_blocks_crc_on_a_local_disk_and_through_the_generic_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The local disk's one loop over its descriptor and the base class's piece by
+    piece :meth:`read_into` agree with CRCs computed over the whole file, for blocks
+    that pieces divide and blocks they do not; a short file raises naming it."""
+    from shardpoint.storage.base import Storage
+    from shardpoint.storage.local import LocalStorage
+
+    data = bytes(range(256)) * 41 + b"tail"  # 10,500 bytes
+    (tmp_path / "f.bin").write_bytes(data)
+    store = LocalStorage(str(tmp_path))
+    for block, piece in [(1024, 256), (1000, 300), (4096, 4096), (512, 1 << 20)]:
+        want = [datafile.crc32(data[s : s + block]) for s in range(100, len(data), block)]
+        for read in (LocalStorage.read_into_crcs, Storage.read_into_crcs):
+            buf = memoryview(bytearray(len(data) - 100))
+            assert read(store, "f.bin", 100, buf, block, piece) == want
+            assert bytes(buf) == data[100:]
+    for read in (LocalStorage.read_into_crcs, Storage.read_into_crcs):
+        with pytest.raises(shardpoint.CorruptCheckpointError, match="f.bin.*truncated"):
+            read(store, "f.bin", 100, memoryview(bytearray(len(data))), 1024, 256)

@@ -217,11 +217,11 @@ class Reader:
     def run(self, jobs: Sequence[ReadJob]) -> None:
         """Read and place every job; raises :class:`CorruptCheckpointError` naming the
         key and file of the first one whose bytes are missing or damaged."""
-        tasks = self._tasks(jobs)
+        threads = io_threads(self.storage)
+        tasks = self._tasks(jobs, threads)
         if not tasks:
             return
         try:
-            threads = io_threads(self.storage)
             with self.storage.keep_open():
                 if len(tasks) == 1 or threads <= 1:
                     self.bytes_read += sum(t() for t in tasks)
@@ -233,11 +233,14 @@ class Reader:
                 torch.cuda.synchronize(d)
             self._devices.clear()
 
-    def _tasks(self, jobs: Sequence[ReadJob]) -> list[Callable[[], int]]:
+    def _tasks(self, jobs: Sequence[ReadJob], threads: int | None = None) -> list[Callable[[], int]]:
         """Whole chunks that lie one after another in a file and go straight into
         their targets, one task per run of them (one scattered read); other large
-        jobs, one task each; other small jobs next to each other in a file, one task
-        per batch."""
+        jobs, one task each (cut into blocks read in parallel by ``threads`` > 1,
+        by default :func:`io_threads`); other small jobs next to each other in a file,
+        one task per batch."""
+        if threads is None:
+            threads = io_threads(self.storage)
         tasks: list[Callable[[], int]] = []
         small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
         whole: dict[str, list[ReadJob]] = {}  # by file
@@ -258,7 +261,7 @@ class Reader:
             if b - a <= small_max:
                 small.append((j.loc.file, j.loc.offset + a, j.loc.offset + b, a, j))
             else:
-                tasks += [partial(self._one, p) for p in self._pieces(j)]
+                tasks += [partial(self._one, p) for p in (self._pieces(j) if threads > 1 else (j,))]
         if piece is not None:
             tasks += self._runs(whole, piece)
         small.sort(key=lambda s: (s[0], s[1]))
@@ -423,24 +426,21 @@ class Reader:
         return len(view) + len(head) + len(tail)
 
     def _read_blocks(self, j: ReadJob, view: memoryview, piece: int) -> None:
-        """Bytes ``[lo, hi)`` of a chunk, whole checksum blocks, into ``view`` with one
-        read of at most ``piece`` bytes at a time, each CRC-32 computed right after its
-        read (chained across a block's pieces) while the bytes are still in the CPU's
-        cache; a block is checked once its last piece is in."""
+        """Bytes ``[lo, hi)`` of a chunk, whole checksum blocks, into ``view``, read
+        ``piece`` bytes at a time with each CRC-32 computed right after its read while
+        the bytes are still in the CPU's cache (:meth:`Storage.read_into_crcs`), then
+        each block checked."""
         blk, loc, lo = self.block, j.loc, j.lo
-        at, n = loc.offset + lo, len(view)
-        for s in range(0, n, blk):
-            e = min(s + blk, n)
-            crc = 0
-            for p in range(s, e, piece):
-                v = view[p : min(p + piece, e)]
-                try:
-                    self.storage.read_into(loc.file, at + p, v)
-                except (CorruptCheckpointError, OSError) as err:  # missing, truncated, unreadable: name the key too
-                    raise CorruptCheckpointError(f"key {j.key!r}: {err}") from None
-                crc = crc32(v, crc)
-            if crc != loc.crc32[(lo + s) // blk]:
-                self._mismatch(j, lo + s, lo + e)
+        try:
+            got = self.storage.read_into_crcs(loc.file, loc.offset + lo, view, blk, piece)
+        except (CorruptCheckpointError, OSError) as err:  # missing, truncated, unreadable: name the key too
+            raise CorruptCheckpointError(f"key {j.key!r}: {err}") from None
+        k = lo // blk
+        want = loc.crc32[k : k + len(got)]
+        if got != want:  # lists, as the index decodes them (another sequence: compared one by one)
+            bad = next((i for i, (c, w) in enumerate(zip(got, want)) if c != w), None)
+            if bad is not None:
+                self._mismatch(j, lo + bad * blk, min(lo + (bad + 1) * blk, lo + len(view)))
 
     def _span(self, loc: ChunkLoc, lo: int, hi: int) -> tuple[int, int]:
         """``[lo, hi)`` rounded out to whole checksum blocks (when verifying)."""

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from ..errors import CorruptCheckpointError
+from ..format.datafile import crc32
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
@@ -77,6 +78,23 @@ class Storage(ABC):
         if len(data) != len(buf):
             raise CorruptCheckpointError(f"{name}: short read at byte {offset}; the file is truncated")
         buf[:] = data
+
+    def read_into_crcs(self, name: str, offset: int, buf: memoryview, block: int, piece: int) -> list[int]:
+        """Fill ``buf`` as :meth:`read_into` does, ``piece`` bytes at a time, and return
+        the CRC-32 of each ``block`` bytes of it (the last one may be short): each
+        piece's CRC is computed right after its read, while its bytes are still in the
+        CPU's cache, and chained into its block's. A local disk does the same in one
+        loop over its file descriptor."""
+        crcs = []
+        for s in range(0, len(buf), block):
+            e = min(s + block, len(buf))
+            crc = 0
+            for p in range(s, e, piece):
+                v = buf[p : min(p + piece, e)]
+                self.read_into(name, offset + p, v)
+                crc = crc32(v, crc)
+            crcs.append(crc)
+        return crcs
 
     def keep_open(self) -> AbstractContextManager[None]:
         """Within it, reads may keep each file open between calls (a load's many reads
@@ -176,6 +194,11 @@ class Delegating(Storage):
 
     def read_into(self, name: str, offset: int, buf: memoryview) -> None:
         self.inner.read_into(name, offset, buf)
+
+    def read_into_crcs(self, name: str, offset: int, buf: memoryview, block: int, piece: int) -> list[int]:
+        if type(self).read_into is not Delegating.read_into:  # a wrapper that changes reads: through it
+            return super().read_into_crcs(name, offset, buf, block, piece)
+        return self.inner.read_into_crcs(name, offset, buf, block, piece)
 
     def keep_open(self) -> AbstractContextManager[None]:
         return self.inner.keep_open()

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ..errors import CorruptCheckpointError, StorageError, UsageError
+from ..format.datafile import crc32
 from ..format.names import check_name
 from .base import Storage, byte_view
 
@@ -282,6 +283,32 @@ class LocalStorage(Storage):
                         f"{offset + got}; the checkpoint is damaged (restore the file or use another checkpoint)"
                     )
                 got += n
+        finally:
+            if owned:
+                os.close(fd)
+
+    def read_into_crcs(self, name: str, offset: int, buf: memoryview, block: int, piece: int) -> list[int]:
+        path = self._path(name)
+        fd, owned = self._acquire(path)
+        try:
+            crcs, n = [], len(buf)
+            for s in range(0, n, block):
+                e = min(s + block, n)
+                crc, p = 0, s
+                while p < e:
+                    v = buf[p : min(p + piece, e)]
+                    got = os.preadv(fd, [v], offset + p)
+                    if got < len(v):
+                        if got == 0:
+                            raise CorruptCheckpointError(
+                                f"data file {path} is truncated: wanted bytes {offset}..{offset + n}, it ends at "
+                                f"{offset + p}; the checkpoint is damaged (restore the file or use another checkpoint)"
+                            )
+                        v = v[:got]
+                    crc = crc32(v, crc)
+                    p += got
+                crcs.append(crc)
+            return crcs
         finally:
             if owned:
                 os.close(fd)
