@@ -121,3 +121,30 @@ def test_read_into_crcs_gives_each_blocks_crc_on_a_local_disk_and_through_the_ge
     for read in (LocalStorage.read_into_crcs, Storage.read_into_crcs):
         with pytest.raises(shardpoint.CorruptCheckpointError, match="f.bin.*truncated"):
             read(store, "f.bin", 100, memoryview(bytearray(len(data))), 1024, 256)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("byte", [300, 1000, 3700])  # in the head block, a middle block, the tail block
+def test_a_partial_read_reads_its_whole_blocks_in_pieces_and_completes_the_blocks_at_its_ends(  # type: ignore[no-untyped-def]
+        ckpt, monkeypatch, byte: int, threads: str) -> None:
+    """Elements 100..900 (bytes 400..3600): the whole blocks inside (bytes 512..3584)
+    are read in 64-byte pieces with their CRCs, the partial blocks at the two ends are
+    completed with reads of their outer bytes; the values are exact, the bytes read are
+    the touched blocks', and a flipped byte anywhere in them fails its block by name."""
+    from shardpoint.storage.local import LocalStorage
+
+    path, w = ckpt
+    monkeypatch.setattr(LocalStorage, "read_piece", 64)
+    monkeypatch.setattr(LocalStorage, "read_batch", 512)
+    monkeypatch.setenv("SHARDPOINT_IO_THREADS", threads)
+    target = torch.zeros(800)
+    r = shardpoint.load({"w": FlatShard(target, (1000,), 100)}, path)
+    assert torch.equal(target, w[100:900]) and r.bytes_read == 3840 - 256  # blocks 1..14
+    f, at = _data_file(path), _chunk_offset(path)
+    data = bytearray(f.read_bytes())
+    data[at + byte] ^= 0x10
+    f.write_bytes(bytes(data))
+    first = byte // BLOCK * BLOCK
+    with pytest.raises(shardpoint.CorruptCheckpointError,
+                       match=rf"checksum mismatch in .* \(bytes {at + first}\.\.{at + first + BLOCK}\) for key 'w'"):
+        shardpoint.load({"w": FlatShard(torch.zeros(800), (1000,), 100)}, path)

@@ -400,37 +400,53 @@ class Reader:
 
     def _read_into(self, j: ReadJob, view: memoryview | None = None) -> int:
         """Bytes ``[lo, hi)`` of a chunk straight into ``view`` (the job's own bytes,
-        ``out``, by default), with no staging copy. To verify, the partial CRC blocks
-        at the two ends are completed with small reads of their outer bytes (CRC-32
-        chains); returns the bytes read."""
+        ``out``, by default), with no staging copy; returns the bytes read. To verify,
+        the whole checksum blocks inside the range are read a piece at a time, each
+        piece's CRC computed while it is in cache (:meth:`_read_blocks`), and a partial
+        block at either end is completed with a small read of its outer bytes."""
         if view is None:
             assert j.out is not None
             view = j.out
-        a, b = self._span(j.loc, j.lo, j.hi)
+        lo, hi = j.lo, j.hi
         piece = self.storage.read_piece
-        if self.verify and a == j.lo and b == j.hi and piece is not None and len(view) > piece:
-            self._read_blocks(j, view, piece)  # whole blocks, each piece's CRC while it is in cache
-            return len(view)
+        if self.verify and piece is not None and hi - lo > piece:
+            blk = self.block
+            mid_lo = min(-(-lo // blk) * blk, hi)  # the whole blocks inside [lo, hi)
+            mid_hi = hi if hi == j.loc.length else max(hi // blk * blk, mid_lo)
+            if mid_hi - mid_lo > piece:
+                n = self._read_span(j, view[: mid_lo - lo], lo, mid_lo) if mid_lo > lo else 0
+                self._read_blocks(j, view[mid_lo - lo : mid_hi - lo], mid_lo, piece)
+                if hi > mid_hi:
+                    n += self._read_span(j, view[mid_hi - lo :], mid_hi, hi)
+                return n + mid_hi - mid_lo
+        return self._read_span(j, view, lo, hi)
+
+    def _read_span(self, j: ReadJob, view: memoryview, lo: int, hi: int) -> int:
+        """Bytes ``[lo, hi)`` of the job's chunk into ``view`` with one read; to verify,
+        the partial CRC blocks at the two ends are completed with small reads of their
+        outer bytes (CRC-32 chains). Returns the bytes read."""
+        loc = j.loc
         try:
-            self.storage.read_into(j.loc.file, j.loc.offset + j.lo, view)
+            self.storage.read_into(loc.file, loc.offset + lo, view)
         except (CorruptCheckpointError, OSError) as e:  # missing, truncated, unreadable: name the key too
             raise CorruptCheckpointError(f"key {j.key!r}: {e}") from None
         if not self.verify:
             return len(view)
-        if j.lo == 0 and j.hi == j.loc.length:  # a whole chunk: its blocks, no partial ones at the ends
+        if lo == 0 and hi == loc.length:  # a whole chunk: its blocks, no partial ones at the ends
             self._check_whole(j, view)
             return len(view)
-        head = self._read(j, j.loc.file, j.loc.offset + a, j.lo - a) if j.lo > a else b""
-        tail = self._read(j, j.loc.file, j.loc.offset + j.hi, b - j.hi) if b > j.hi else b""
-        self._check(j, a, b, j.lo, j.hi, head, view, tail)
+        a, b = self._span(loc, lo, hi)
+        head = self._read(j, loc.file, loc.offset + a, lo - a) if lo > a else b""
+        tail = self._read(j, loc.file, loc.offset + hi, b - hi) if b > hi else b""
+        self._check(j, a, b, lo, hi, head, view, tail)
         return len(view) + len(head) + len(tail)
 
-    def _read_blocks(self, j: ReadJob, view: memoryview, piece: int) -> None:
-        """Bytes ``[lo, hi)`` of a chunk, whole checksum blocks, into ``view``, read
-        ``piece`` bytes at a time with each CRC-32 computed right after its read while
-        the bytes are still in the CPU's cache (:meth:`Storage.read_into_crcs`), then
-        each block checked."""
-        blk, loc, lo = self.block, j.loc, j.lo
+    def _read_blocks(self, j: ReadJob, view: memoryview, lo: int, piece: int) -> None:
+        """Bytes ``[lo, lo + len(view))`` of the job's chunk, whole checksum blocks, into
+        ``view``, read ``piece`` bytes at a time with each CRC-32 computed right after
+        its read while the bytes are still in the CPU's cache
+        (:meth:`Storage.read_into_crcs`), then each block checked."""
+        blk, loc = self.block, j.loc
         try:
             got = self.storage.read_into_crcs(loc.file, loc.offset + lo, view, blk, piece)
         except (CorruptCheckpointError, OSError) as err:  # missing, truncated, unreadable: name the key too
