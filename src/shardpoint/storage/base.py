@@ -35,13 +35,14 @@ class Storage(ABC):
     url: str
 
     #: The most bytes a verified load asks for in one :meth:`read_into` of a large
-    #: tensor: it is read in pieces of this size, each checksummed right after its read
-    #: while its bytes are still in the CPU's cache (``benchmarks/crc_piece_bench.py`` on
-    #: this project's Intel machine: a CRC after 256 KiB reads adds 12-17% to a plain
-    #: read, after 1 MiB 39-51%, after 4 MiB 57-63%: a kernel copy that large leaves less
-    #: of its destination in cache). None: the
-    #: whole range in one call (an object store, which splits a large range into
-    #: concurrent requests itself and pays a round trip per call).
+    #: tensor (and one scattered read of small whole chunks covers): it is read in
+    #: pieces of this size, each checksummed right after its read while its bytes are
+    #: still in the CPU's cache (``benchmarks/crc_piece_bench.py`` on this project's
+    #: Intel machine: a CRC after 256 KiB reads adds 12-17% to a plain read, after 1 MiB
+    #: 39-51%, after 4 MiB 57-63%; a kernel copy that large leaves less of its
+    #: destination in cache). None: the whole range in one call (an object store, which
+    #: splits a large range into concurrent requests itself and pays a round trip per
+    #: call).
     read_piece: int | None = 256 << 10
 
     #: The most bytes one read of neighbouring small chunks covers: a load reads chunks
