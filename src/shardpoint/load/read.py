@@ -233,14 +233,11 @@ class Reader:
                 torch.cuda.synchronize(d)
             self._devices.clear()
 
-    def _tasks(self, jobs: Sequence[ReadJob], threads: int | None = None) -> list[Callable[[], int]]:
+    def _tasks(self, jobs: Sequence[ReadJob], threads: int) -> list[Callable[[], int]]:
         """Whole chunks that lie one after another in a file and go straight into
         their targets, one task per run of them (one scattered read); other large
-        jobs, one task each (cut into blocks read in parallel by ``threads`` > 1,
-        by default :func:`io_threads`); other small jobs next to each other in a file,
-        one task per batch."""
-        if threads is None:
-            threads = io_threads(self.storage)
+        jobs, one task each (cut into blocks read in parallel when ``threads`` > 1);
+        other small jobs next to each other in a file, one task per batch."""
         tasks: list[Callable[[], int]] = []
         small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
         whole: dict[str, list[ReadJob]] = {}  # by file
