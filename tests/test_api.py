@@ -778,6 +778,27 @@ def test_small_chunks_health_is_each_keys_own(tmp_path: Path) -> None:
     assert list(m.nan or ()) == ["nan"]
 
 
+def test_a_save_and_load_warn_nothing_where_warnings_are_errors(tmp_path: Path) -> None:
+    """Under ``-W error`` (a test suite's ``filterwarnings = error``) a save of small and
+    large tensors, blocking and not, and a load go through: the health scan hands torch a
+    writable buffer (a read-only one made torch warn, once per process, and the save
+    fail). A fresh process, since torch warns only once."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, shardpoint\n"
+            "state = {f't{i}': torch.randn(16) for i in range(50)}\n"
+            "state.update(big=torch.randn(1 << 18), strided=torch.randn(30, 70).t(), h=torch.ones(9, dtype=torch.bfloat16))\n"
+            "shardpoint.save(state, sys.argv[1] + '/c')\n"
+            "shardpoint.save(state, sys.argv[1] + '/a', blocking=False).wait()\n"
+            "back = {k: torch.zeros_like(v) for k, v in state.items()}\n"
+            "shardpoint.load(back, sys.argv[1] + '/a')\n"
+            "assert all(torch.equal(back[k], v) for k, v in state.items())\n")
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_parameters_that_require_grad_load_in_place_whole_and_in_parts(tmp_path: Path) -> None:
     """A load writes a parameter's memory directly (no detached alias, issue 34): the
     same Parameter objects, still leaves that require grad with no grad made, hold the

@@ -243,7 +243,7 @@ class _SmallScan:
 
     def _scan(self, dtype: torch.dtype) -> None:
         _, members, pieces = self._batches.pop(dtype)
-        view = memoryview(b"".join(pieces))
+        view = memoryview(bytearray().join(pieces))  # writable: torch.frombuffer warns on a read-only buffer
         if _health(view, dtype) == FINITE:
             return
         a = 0
