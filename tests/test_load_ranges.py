@@ -148,3 +148,23 @@ def test_a_partial_read_reads_its_whole_blocks_in_pieces_and_completes_the_block
     with pytest.raises(shardpoint.CorruptCheckpointError,
                        match=rf"checksum mismatch in .* \(bytes {at + first}\.\.{at + first + BLOCK}\) for key 'w'"):
         shardpoint.load({"w": FlatShard(torch.zeros(800), (1000,), 100)}, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+def test_a_targets_bytes_are_its_own_memory_writable_and_exactly_as_long(dtype: torch.dtype) -> None:
+    """The view a read writes a contiguous CPU target through (a slice of one view over
+    the process's memory) covers exactly the target's bytes: writing it changes the
+    tensor, and its neighbours in the same storage are untouched."""
+    from shardpoint.load.read import _bytes_of
+
+    whole = torch.zeros(64, dtype=dtype)
+    part = whole[8:24]  # contiguous, inside a larger storage
+    view = _bytes_of(part)
+    assert len(view) == part.nbytes and view.format == "B" and not view.readonly
+    src = torch.ones(16, dtype=dtype) if dtype is not torch.bool else torch.ones(16, dtype=torch.bool)
+    view[:] = src.view(torch.uint8).numpy().tobytes()
+    assert torch.equal(whole[8:24], src) and not whole[:8].any() and not whole[24:].any()
+    p = torch.nn.Parameter(torch.zeros(5))  # requires grad: its memory all the same
+    _bytes_of(p)[:4] = torch.tensor([2.0]).view(torch.uint8).numpy().tobytes()
+    assert p[0].item() == 2.0 and p.requires_grad and p.grad is None
+    assert len(_bytes_of(torch.zeros(0, dtype=dtype))) == 0
