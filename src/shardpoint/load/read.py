@@ -197,11 +197,12 @@ _OFFSET = attrgetter("loc.offset")
 
 #: The lowest address :data:`_MEMORY` covers (the page at 0 is never mapped).
 _BASE = 4096
+#: The bytes :data:`_MEMORY` covers.
+_SPAN = sys.maxsize - _BASE
 #: The process's memory from address :data:`_BASE` up, as one writable byte view: a
 #: tensor's bytes are a slice of it, one object made in C, where a ctypes array over
 #: each tensor made three (the array, its view, the cast) at about three times the cost.
-_MEMORY = memoryview((ctypes.c_char * (sys.maxsize - _BASE)).from_address(_BASE)).cast("B")
-_SPAN = len(_MEMORY)
+_MEMORY = memoryview((ctypes.c_char * _SPAN).from_address(_BASE)).cast("B")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
