@@ -161,7 +161,7 @@ def test_a_targets_bytes_are_its_own_memory_writable_and_exactly_as_long(dtype: 
     part = whole[8:24]  # contiguous, inside a larger storage
     view = _bytes_of(part)
     assert len(view) == part.nbytes and view.format == "B" and not view.readonly
-    src = torch.ones(16, dtype=dtype) if dtype is not torch.bool else torch.ones(16, dtype=torch.bool)
+    src = torch.ones(16, dtype=dtype)
     view[:] = src.view(torch.uint8).numpy().tobytes()
     assert torch.equal(whole[8:24], src) and not whole[:8].any() and not whole[24:].any()
     p = torch.nn.Parameter(torch.zeros(5))  # requires grad: its memory all the same
