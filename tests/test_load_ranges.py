@@ -76,10 +76,10 @@ def test_corruption_outside_the_touched_blocks_does_not_fail_a_partial_read(ckpt
 def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_block(  # type: ignore[no-untyped-def]
         ckpt, monkeypatch, batch: int, threads: str) -> None:
     """A verified read of whole blocks asks for ``read_piece`` bytes at a time and
-    chains each piece's CRC into its block's (here 64-byte pieces of 256-byte blocks):
-    the values are exact, and a flipped byte in a block's third piece fails that block,
-    named by key and byte range. A large chunk is cut into a task per block when the
-    rank reads with more than one thread."""
+    chains each piece's CRC into its block's (here 64-byte pieces of 256-byte blocks, 128
+    with two read threads): the values are exact, and a flipped byte in a block's
+    later piece fails that block, named by key and byte range. A large chunk is cut
+    into a task per block when the rank reads with more than one thread."""
     from shardpoint.storage.local import LocalStorage
 
     path, w = ckpt
@@ -92,7 +92,7 @@ def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_bloc
     f, at = _data_file(path), _chunk_offset(path)
     intact = f.read_bytes()
     data = bytearray(intact)
-    data[at + 2 * BLOCK + 150] ^= 0x10  # block 2, its third 64-byte piece
+    data[at + 2 * BLOCK + 150] ^= 0x10  # block 2, its third 64-byte piece (its second of 128)
     f.write_bytes(bytes(data))
     with pytest.raises(shardpoint.CorruptCheckpointError,
                        match=rf"checksum mismatch in .* \(bytes {at + 2 * BLOCK}\.\.{at + 3 * BLOCK}\) for key 'w'"):
@@ -100,6 +100,24 @@ def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_bloc
     f.write_bytes(intact[: at + 3 * BLOCK + 10])  # ends in block 3's first piece
     with pytest.raises(shardpoint.CorruptCheckpointError, match="key 'w'.*truncated"):
         shardpoint.load({"w": torch.zeros(1000)}, path)
+
+
+@pytest.mark.parametrize(("threads", "piece"), [("1", 256 << 10), ("2", 512 << 10), ("4", 512 << 10)])
+def test_a_reader_with_several_threads_reads_twice_the_storages_piece(tmp_path, monkeypatch, threads: str,  # type: ignore[no-untyped-def]
+                                                                      piece: int) -> None:
+    """Each piece's read and CRC hand the GIL over: a rank that reads with several
+    threads asks for twice the storage's piece at a time, one thread for the piece
+    itself; a storage that reads a range in one call (no piece) keeps none."""
+    from shardpoint.load.read import Reader
+    from shardpoint.storage.local import LocalStorage
+
+    monkeypatch.setenv("SHARDPOINT_IO_THREADS", threads)
+    local = LocalStorage(tmp_path)
+    assert local.read_piece == 256 << 10
+    r = Reader(local, BLOCK)
+    assert (r.threads, r.piece) == (int(threads), piece)
+    monkeypatch.setattr(LocalStorage, "read_piece", None)
+    assert Reader(LocalStorage(tmp_path), BLOCK).piece is None
 
 
 def test_read_into_crcs_gives_each_blocks_crc_on_a_local_disk_and_through_the_generic_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
