@@ -106,18 +106,23 @@ def test_a_chunk_read_in_pieces_smaller_than_its_blocks_is_checked_block_by_bloc
 def test_a_reader_with_several_threads_reads_twice_the_storages_piece(tmp_path, monkeypatch, threads: str,  # type: ignore[no-untyped-def]
                                                                       piece: int) -> None:
     """Each piece's read and CRC hand the GIL over: a rank that reads with several
-    threads asks for twice the storage's piece at a time, one thread for the piece
-    itself; a storage that reads a range in one call (no piece) keeps none."""
+    threads asks for twice the storage's piece at a time (a piece sized for the CPU's
+    cache, below a checksum block, and never past the block), one thread for the
+    piece itself; a piece of a block or more, or none (a range in one call), stays."""
     from shardpoint.load.read import Reader
     from shardpoint.storage.local import LocalStorage
 
+    block = 1 << 20  # the format's checksum block
     monkeypatch.setenv("SHARDPOINT_IO_THREADS", threads)
     local = LocalStorage(tmp_path)
     assert local.read_piece == 256 << 10
-    r = Reader(local, BLOCK)
+    r = Reader(local, block)
     assert (r.threads, r.piece) == (int(threads), piece)
+    assert Reader(local, 384 << 10).piece == (384 << 10 if threads != "1" else 256 << 10)  # up to the block
+    monkeypatch.setattr(LocalStorage, "read_piece", 4 << 20)  # a request's size, not the cache's
+    assert Reader(LocalStorage(tmp_path), block).piece == 4 << 20
     monkeypatch.setattr(LocalStorage, "read_piece", None)
-    assert Reader(LocalStorage(tmp_path), BLOCK).piece is None
+    assert Reader(LocalStorage(tmp_path), block).piece is None
 
 
 def test_read_into_crcs_gives_each_blocks_crc_on_a_local_disk_and_through_the_generic_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
