@@ -117,11 +117,11 @@ def _worker(path: str, loads: int, counted: bool, phases: bool = False) -> None:
                       LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo")
     import shardpoint
-    from shardpoint.load.read import Reader, io_threads
+    from shardpoint.load.read import Reader
 
     state = _state(1, 1, False)
     shardpoint.load(state, path)
-    Reader.run = lambda self, jobs: self._tasks(jobs, io_threads(self.storage)) and None  # the reads stubbed out: their tasks still sorted
+    Reader.run = lambda self, jobs: self._tasks(jobs) and None  # the reads stubbed out: their tasks still sorted
     shardpoint.load(state, path)
     if counted:
         subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], check=True, capture_output=True)

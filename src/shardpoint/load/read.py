@@ -249,7 +249,7 @@ class Reader:
         """Read and place every job; raises :class:`CorruptCheckpointError` naming the
         key and file of the first one whose bytes are missing or damaged."""
         threads = self.threads
-        tasks = self._tasks(jobs, threads)
+        tasks = self._tasks(jobs)
         if not tasks:
             return
         try:
@@ -264,11 +264,12 @@ class Reader:
                 torch.cuda.synchronize(d)
             self._devices.clear()
 
-    def _tasks(self, jobs: Sequence[ReadJob], threads: int) -> list[Callable[[], int]]:
+    def _tasks(self, jobs: Sequence[ReadJob]) -> list[Callable[[], int]]:
         """Whole chunks that lie one after another in a file and go straight into
         their targets, one task per run of them (one scattered read); other large
-        jobs, one task each (cut into blocks read in parallel when ``threads`` > 1);
+        jobs, one task each (cut into blocks read in parallel when :attr:`threads` > 1);
         other small jobs next to each other in a file, one task per batch."""
+        threads = self.threads
         tasks: list[Callable[[], int]] = []
         small: list[tuple[str, int, int, int, ReadJob]] = []  # file, first byte, end, chunk-relative first byte, job
         whole: dict[str, list[ReadJob]] = {}  # by file
