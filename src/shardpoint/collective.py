@@ -599,6 +599,18 @@ class Comm:
                 "logs; a restart restores from what every present host holds)", ranks=peers) from e
         PROCESS.seams.traffic.add(sum(t.numel() * t.element_size() for _, _, t in recvs))
 
+    def _alone(self) -> bool:
+        """Whether this is a group of one rank (or no process group): a JSON collective's
+        result is then its own argument, with no gloo call (a closed channel still
+        raises :class:`ChannelClosedError`, as a collective would)."""
+        if self.store is None:
+            return True
+        if self.world != 1:
+            return False
+        if self.channel is not None and self.channel.closing:
+            raise ChannelClosedError(_CLOSED)
+        return True
+
     @property
     def _td(self) -> ModuleType:
         """torch.distributed, in the collectives (only reached with a process group)."""
@@ -615,7 +627,7 @@ class Comm:
     def start_all_gather_json(self, obj: object) -> Callable[[], list[Any]]:
         """:meth:`all_gather_json`, started: returns the wait for its result, so that
         the caller can do local work while the ranks exchange."""
-        if self.store is None:
+        if self._alone():
             return lambda: [obj]
         data = json.dumps(obj, separators=(",", ":")).encode()
         first = bytearray(8 + INLINE)
@@ -653,7 +665,7 @@ class Comm:
         int64 per rank, gathered), then each payload point-to-point at its own size, so
         the coordinator receives the sum of the payloads, never the largest times the
         world."""
-        if self.store is None:
+        if self._alone():
             return [obj]
         data = _encode(obj) if self.rank != 0 else b""  # rank 0 keeps its own object: never encoded
         size = torch.tensor([len(data)], dtype=torch.int64)
@@ -681,7 +693,7 @@ class Comm:
     def scatter_json(self, objs: list[object] | None) -> Any:
         """Rank 0 gives ``objs[r]`` to rank ``r`` (``objs`` is ignored elsewhere); each
         rank receives only its own object (its size, then its bytes)."""
-        if self.store is None:
+        if self._alone():
             assert objs is not None
             return objs[0]
         root = self.ranks[0]
@@ -711,7 +723,7 @@ class Comm:
 
     def broadcast_json(self, obj: object) -> Any:
         """Rank 0's ``obj`` on every rank (``obj`` is ignored elsewhere)."""
-        if self.store is None:
+        if self._alone():
             return obj
         root = self.ranks[0]
         data = _encode(obj) if self.rank == 0 else b""
@@ -956,36 +968,6 @@ def agree(comm: Comm, payload: object, error: BaseException | None,
     ``merge`` raises is raised on every rank). A non-coordinator rank sends its payload
     and receives the merged result, whatever the world size (:func:`coordinate`)."""
     return coordinate(comm, payload, error, _merged(comm, merge))
-
-
-def start_agree(comm: Comm, payload: object, error: BaseException | None,
-                merge: Callable[[list[Any]], Any] | None = None) -> Callable[[], Any]:
-    """:func:`agree`, started: returns the wait for its verdict (which raises as
-    :func:`agree` does), so that a rank can do local work that changes nothing while
-    the ranks exchange (the exchange runs on a thread of its own meanwhile)."""
-
-    decide = _merged(comm, merge)
-    if comm.store is None:
-        return lambda: coordinate(comm, payload, error, decide)
-    out: list[Any] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(coordinate(comm, payload, error, decide))
-        except BaseException as e:  # noqa: BLE001 - raised by the wait, on the caller's thread
-            failed.append(e)
-
-    t = threading.Thread(target=run, name="shardpoint-agree", daemon=True)
-    t.start()
-
-    def verdict() -> Any:
-        t.join()
-        if failed:
-            raise failed[0]
-        return out[0]
-
-    return verdict
 
 
 def _merged(comm: Comm, merge: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], list[Any]]:
