@@ -84,6 +84,9 @@ class ReadJob(msgspec.Struct, frozen=True, gc=False):
     out: memoryview | None = None
     """The target's bytes when the job goes straight into them: one byte range of the
     chunk into one byte range of a contiguous CPU tensor of the saved dtype."""
+    whole: bool = False
+    """The job is a whole chunk of at least one byte going into ``out`` (set where
+    the job is planned; a part of it, :meth:`Reader._pieces`, is not)."""
 
 
 class _Step(NamedTuple):
@@ -161,9 +164,20 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             dtype = spec.dtype  # raises, naming the key: this torch lacks the saved dtype
         prefix = "/per_rank/" + key if t.per_rank else key
         # each view's bytes where the reads can go straight into them (torch's dtypes are one object each;
-        # a view with the conjugate or negative bit set holds other values than its bytes: copied into)
-        bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg())
-                 else None for v in views]
+        # a view with the conjugate or negative bit set holds other values than its bytes: copied into);
+        # most targets have one view, whose bytes are sliced from _MEMORY here (_bytes_of, without a call)
+        bases: Sequence[memoryview | None]
+        if len(views) == 1:
+            v = views[0]
+            if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg()):
+                n = v.nbytes
+                at0 = v.data_ptr() - _BASE
+                bases = [_MEMORY[at0 : at0 + n] if n and 0 <= at0 <= _SPAN - n else _bytes_of(v)]
+            else:
+                bases = _NO_BASE
+        else:
+            bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous()
+                     and not (v.is_conj() or v.is_neg()) else None for v in views]
         for target, region, first, last, contiguous, narrows, span, box, numel, rank, at, loc in steps:
             if loc is None:
                 name = prefix + at
@@ -179,7 +193,7 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
                 span *= size
                 if span or hi - lo != len(out):  # a part of the view (the whole: no new slice)
                     out = out[span : span + hi - lo]
-                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out))
+                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out, not lo and 0 < hi == loc.length))
                 continue
             view = views[target]
             if view.requires_grad:  # a parameter: write its data
@@ -189,6 +203,9 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             add(ReadJob(key, loc, box, region, lo, hi, contiguous, dtype, view))
     return jobs
 
+
+#: The bases of a target whose one view the reads cannot go straight into.
+_NO_BASE: tuple[None] = (None,)
 
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512
@@ -276,13 +293,13 @@ class Reader:
         batch = self.storage.read_batch
         small_max = batch // 8
         piece = self.piece
-        most = None if piece is None else max(piece, small_max)  # larger whole chunks: a run of their own
+        most = -1 if piece is None else max(piece, small_max)  # larger whole chunks: a run of their own
         for j in jobs:
-            loc = j.loc
-            if most is not None and j.out is not None and j.lo == 0 and 0 < j.hi == loc.length <= most:
-                got = whole.get(loc.file)
+            if j.whole and j.hi <= most:
+                fname = j.loc.file
+                got = whole.get(fname)
                 if got is None:
-                    whole[loc.file] = [j]
+                    whole[fname] = [j]
                 else:
                     got.append(j)
                 continue
@@ -310,27 +327,25 @@ class Reader:
         """Whole chunks back to back in one file (``by_file``: the jobs of each file),
         about ``piece`` bytes a run at most (their CRCs are computed while the bytes
         are still in the CPU's cache)."""
-        whole: list[ReadJob] = []
+        tasks: list[Callable[[], int]] = []
         for fname in sorted(by_file):
             group = by_file[fname]
             group.sort(key=_OFFSET)  # an int each: a file's chunks come mostly in order
-            whole += group
-        locs = [j.loc for j in whole]
-        tasks: list[Callable[[], int]] = []
-        i, n = 0, len(whole)
-        while i < n:
-            first = locs[i]
-            fname, start = first.file, first.offset
-            end, stop = start + first.length, min(n, i + _RUN_MAX)
-            k = i + 1
-            while k < stop:
-                loc = locs[k]
-                if loc.offset != end or loc.file != fname or end + loc.length - start > piece:
-                    break
-                end += loc.length
-                k += 1
-            tasks.append(partial(self._run_of, whole[i:k]))
-            i = k
+            locs = [j.loc for j in group]
+            i, n = 0, len(group)
+            while i < n:
+                first = locs[i]
+                start = first.offset
+                end, limit, stop = start + first.length, start + piece, min(n, i + _RUN_MAX)
+                k = i + 1
+                while k < stop:
+                    loc = locs[k]
+                    if loc.offset != end or end + loc.length > limit:
+                        break
+                    end += loc.length
+                    k += 1
+                tasks.append(partial(self._run_of, group[i:k]))
+                i = k
         return tasks
 
     def _run_of(self, members: list[ReadJob]) -> int:
@@ -365,7 +380,7 @@ class Reader:
         if j.hi - j.lo <= step:
             return [j]
         cuts = [j.lo, *range((j.lo // step + 1) * step, j.hi, step), j.hi]
-        return [msgspec.structs.replace(j, lo=lo, hi=hi, out=out[lo - j.lo : hi - j.lo])
+        return [msgspec.structs.replace(j, lo=lo, hi=hi, out=out[lo - j.lo : hi - j.lo], whole=False)
                 for lo, hi in zip(cuts[:-1], cuts[1:])]
 
     def _batch(self, fname: str, start: int, end: int, members: list[tuple[str, int, int, int, ReadJob]]) -> int:
