@@ -191,23 +191,56 @@ def run_worker(script: str, args: list[str], d: str, counted: bool, phases: bool
     if out.returncode != 0:
         print(text[-4000:], file=sys.stderr)
         return None
-    return text, (_parts(d) if counted and phases else {})
+    parts = _parts(d) if counted and phases else {}
+    if counted:
+        sha = _sha_share(d, phases)
+        if sha is not None:
+            parts["_sha"] = sha
+    return text, parts
 
 
 def print_counts(what: str, text: str, parts: dict[str, int], n: int, phases: list[tuple[str, str]]) -> None:
     """Millions of instructions of each of ``n`` runs of ``what``, and of each part of
     ``phases`` counted (a dump's own cost taken off)."""
     whole = parts.pop("whole", None)
+    sha = parts.pop("_sha", None)
     got = re.search(r"Collected : (\d+)", text)
     if whole is not None:
         print(f"{what}: {whole / n / 1e6:.2f} M instructions")
     elif got:
         print(f"{what}: {int(got.group(1)) / n / 1e6:.2f} M instructions")
+    if sha is not None:
+        print(f"  of it, SHA-256 in libcrypto (manifest seal, index digests): {sha / n / 1e6:.2f} M (the software "
+              "path: valgrind's CPU has no SHA extensions, which this machine's CPU may have)")
     if parts:
         over = parts.pop("overhead", 0)
         for name in dict.fromkeys(name for name, _attr in phases):
             if name in parts:
                 print(f"  {name}: {(parts[name] - over) / n / 1e6:.2f} M")
+
+
+def _sha_share(d: str, phases: bool) -> int | None:
+    """The instructions run in libcrypto (SHA-256: the only hashing a load or save
+    does there) in the counted run: the dump labelled "whole" with ``phases``, else
+    the final one; None without ``callgrind_annotate``."""
+    if shutil.which("callgrind_annotate") is None:
+        return None
+    pick = None
+    for f in Path(d).glob("cg.out*"):
+        head = f.read_text(errors="replace")[:4000]
+        label = re.search(r"^desc: Trigger: (.*)$", head, re.M)
+        trigger = label.group(1) if label else ""
+        if (phases and re.search(r"dump\s*\(?whole", trigger)) or (not phases and "termination" in trigger):
+            pick = f
+    if pick is None:
+        return None
+    out = subprocess.run(["callgrind_annotate", "--threshold=100", str(pick)], capture_output=True, text=True)
+    total = 0
+    for line in out.stdout.splitlines():
+        m = re.match(r"\s*([\d,]+)\s.*\[[^]]*libcrypto[^]]*\]\s*$", line)
+        if m:
+            total += int(m.group(1).replace(",", ""))
+    return total
 
 
 def _parts(d: str) -> dict[str, int]:
