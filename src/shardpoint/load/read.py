@@ -163,21 +163,9 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         if dtype is None:
             dtype = spec.dtype  # raises, naming the key: this torch lacks the saved dtype
         prefix = "/per_rank/" + key if t.per_rank else key
-        # each view's bytes where the reads can go straight into them (torch's dtypes are one object each;
-        # a view with the conjugate or negative bit set holds other values than its bytes: copied into);
-        # most targets have one view, whose bytes are sliced from _MEMORY here (_bytes_of, without a call)
-        bases: Sequence[memoryview | None]
-        if len(views) == 1:
-            v = views[0]
-            if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg()):
-                n = v.nbytes
-                at0 = v.data_ptr() - _BASE
-                bases = [_MEMORY[at0 : at0 + n] if n and 0 <= at0 <= _SPAN - n else _bytes_of(v)]
-            else:
-                bases = _NO_BASE
-        else:
-            bases = [_bytes_of(v) if v.dtype is dtype and v.is_cpu and v.is_contiguous()
-                     and not (v.is_conj() or v.is_neg()) else None for v in views]
+        # each view's bytes where the reads can go straight into them (most targets have one view: no
+        # list comprehension for it)
+        bases = (_into(views[0], dtype),) if len(views) == 1 else [_into(v, dtype) for v in views]
         for target, region, first, last, contiguous, narrows, span, box, numel, rank, at, loc in steps:
             if loc is None:
                 name = prefix + at
@@ -204,9 +192,6 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     return jobs
 
 
-#: The bases of a target whose one view the reads cannot go straight into.
-_NO_BASE: tuple[None] = (None,)
-
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512
 _OFFSET = attrgetter("loc.offset")
@@ -220,6 +205,15 @@ _SPAN = sys.maxsize - _BASE
 #: tensor's bytes are a slice of it, one object made in C, where a ctypes array over
 #: each tensor made three (the array, its view, the cast) at about three times the cost.
 _MEMORY = memoryview((ctypes.c_char * _SPAN).from_address(_BASE)).cast("B")
+
+
+def _into(v: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """The bytes of view ``v`` when reads of ``dtype`` can go straight into them: a
+    contiguous CPU tensor of that dtype (torch's dtypes are one object each), neither
+    conjugate nor negative (such a view holds other values than its bytes: copied into)."""
+    if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg()):
+        return _bytes_of(v)
+    return None
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
