@@ -14,6 +14,12 @@ With ``--phases``, each load's parts are counted apart as well (a dump of the
 counters at each part's start and end, their own cost measured and taken off): the
 functions of ``shardpoint.load.pipeline`` named in ``PHASES`` (those the code has).
 
+With ``--skeleton``, the same checkpoint is also loaded by :func:`_skeleton`, counted
+the same way: only what no load of it can skip (read, hash and decode the manifest
+and both indexes, walk the state, each target's bytes, each chunk looked up, the jobs
+sorted), none of the checks, reports or agreements. What a load costs above it is
+what its checks and its structure cost.
+
 Needs valgrind (Debian's package); without it, prints the wall time instead.
 To compare two commits, run it with ``PYTHONPATH`` pointing at each one's ``src``.
 """
@@ -108,7 +114,65 @@ def _phased(module: Any = None, phases: list[tuple[str, str]] = PHASES) -> None:
         setattr(owner, attr, functools.wraps(fn)(wrapped))
 
 
-def _worker(path: str, loads: int, counted: bool, phases: bool = False) -> None:
+def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
+    """A load of this benchmark's checkpoint cut down to what none can skip (see the
+    module's docstring): no check, no error, no report; the reads stubbed out as in
+    the counted loads. Knows only this checkpoint's layouts (split along dim 0 by the
+    saving ranks, or one scalar), and raises on any other."""
+    import hashlib
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from shardpoint.format.digest import SEAL_HEADER_LEN
+    from shardpoint.format.index import _PLAIN
+    from shardpoint.format.manifest import _DOC
+    from shardpoint.load.read import _bytes_of
+
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        body = b"{" + f.read()[SEAL_HEADER_LEN:]
+    hashlib.sha256(body).hexdigest()
+    doc = _DOC.decode(body)
+    chunks = {}
+    for info in doc.files.values():
+        assert info.index is not None and info.rank is not None
+        with open(os.path.join(path, info.index.name), "rb") as f:
+            data = f.read()
+        hashlib.sha256(data).hexdigest()
+        chunks[info.rank] = _PLAIN.decode(data).chunks
+    entries = doc.entries
+    jobs: list[tuple[Any, ...]] = []
+    add = jobs.append
+
+    def walk(d: dict[str, Any], above: str) -> None:
+        for k, v in d.items():
+            key = above + str(k)
+            if isinstance(v, dict):
+                walk(v, key + "/")
+            elif isinstance(v, torch.Tensor):
+                e = entries[key]
+                t = v._local_tensor if type(v) is DTensor else v
+                if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and not (t.is_neg() or t.is_conj())):
+                    raise ValueError(f"{key}: not this benchmark's state")
+                out = _bytes_of(t)
+                cuts = e.grid.cuts  # type: ignore[union-attr]
+                if not cuts:
+                    off, n, crcs = chunks[1][key + "@"]
+                    add((key, off, n, crcs, out))
+                    continue
+                piece, rest = cuts[0], ",0" * (len(cuts) - 1)
+                pos = 0
+                for r in range(2):
+                    off, n, crcs = chunks[r][f"{key}@{r * piece}{rest}"]
+                    add((key, off, n, crcs, out[pos : pos + n]))
+                    pos += n
+
+    walk(state, "")
+    jobs.sort(key=lambda j: j[1])
+    return jobs
+
+
+def _worker(path: str, loads: int, counted: bool, phases: bool = False, skeleton: bool = False) -> None:
     """One rank: load once (warm), then ``loads`` times with the reads stubbed out."""
     import torch.distributed as dist
     from tests._dist import free_port
@@ -123,11 +187,17 @@ def _worker(path: str, loads: int, counted: bool, phases: bool = False) -> None:
     shardpoint.load(state, path)
     Reader.run = lambda self, jobs: self._tasks(jobs) and None  # the reads stubbed out: their tasks still sorted
     shardpoint.load(state, path)
+    if skeleton:
+        for _ in range(2):
+            _skeleton(state, path)
     if counted:
         subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], check=True, capture_output=True)
     t = time.perf_counter()
     for _ in range(loads):
-        shardpoint.load(state, path)
+        if skeleton:
+            _skeleton(state, path)
+        else:
+            shardpoint.load(state, path)
     dt = time.perf_counter() - t
     if counted and phases:
         _dump("whole")
@@ -148,10 +218,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--loads", type=int, default=3)
     ap.add_argument("--phases", action="store_true", help="count the parts of a load apart as well")
+    ap.add_argument("--skeleton", action="store_true",
+                    help="count also a load cut down to what none can skip (see the module's docstring)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        _worker(args.worker[0], args.loads, args.worker[1] == "counted", args.phases)
+        _worker(args.worker[0], args.loads, args.worker[1] == "counted", args.phases, args.skeleton)
         return 0
     from tests._dist import run_ranks
 
@@ -163,14 +235,34 @@ def main() -> int:
         run_ranks(_save, 2, ck, timeout=600)
         got = run_worker(__file__, ["--loads", str(args.loads), *(["--phases"] if args.phases else []),
                                     "--worker", ck, "counted" if counted else "-"], d, counted, args.phases)
-    if got is None:
+        floor = None
+        if got is not None and args.skeleton:
+            for f in Path(d).glob("cg.out*"):
+                f.unlink()
+            floor = run_worker(__file__, ["--loads", str(args.loads), "--skeleton", "--worker", ck,
+                                          "counted" if counted else "-"], d, counted, False)
+    if got is None or (args.skeleton and floor is None):
         return 1
     text, parts = got
     print(f"shardpoint {shardpoint.__version__} from {Path(shardpoint.__file__).parent}")
     wall = re.search(r"wall ([0-9.]+) ms", text)
     print(f"wall time a load (under valgrind when counted): {wall.group(1) if wall else '?'} ms")
+    load = _total(text, parts, args.loads)
     print_counts("a load without its reads", text, parts, args.loads, PHASES)
+    if floor is not None:
+        print_counts("the same load cut down to what none can skip (--skeleton)", floor[0], floor[1], args.loads, [])
+        least = _total(floor[0], {}, args.loads)
+        if load and least:
+            print(f"  a load / the skeleton: {load / least:.2f}x")
     return 0
+
+
+def _total(text: str, parts: dict[str, int], n: int) -> float | None:
+    """Instructions per run: the "whole" dump with ``--phases``, else callgrind's total."""
+    if "whole" in parts:
+        return parts["whole"] / n
+    got = re.search(r"Collected : (\d+)", text)
+    return int(got.group(1)) / n if got else None
 
 
 def callgrind_here() -> bool:
