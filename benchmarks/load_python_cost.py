@@ -155,15 +155,16 @@ def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
                 if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and not (t.is_neg() or t.is_conj())):
                     raise ValueError(f"{key}: not this benchmark's state")
                 out = _bytes_of(t)
-                cuts = e.grid.cuts  # type: ignore[union-attr]
-                if not cuts:
-                    off, n, crcs = chunks[1][key + "@"]
+                grid = e.grid  # type: ignore[union-attr]
+                if not grid.cuts:  # a scalar: one chunk, in the file of the one rank listed
+                    off, n, crcs = chunks[grid.ranks[0]][key + "@"]
                     add((key, off, n, crcs, out))
                     continue
-                piece, rest = cuts[0], ",0" * (len(cuts) - 1)
+                piece, rest = grid.cuts[0], ",0" * (len(grid.cuts) - 1)  # split along dim 0 only
                 pos = 0
-                for r in range(2):
-                    off, n, crcs = chunks[r][f"{key}@{r * piece}{rest}"]
+                for i in range(-(-e.shape[0] // piece)):
+                    r = grid.ranks.first + i * grid.ranks.step
+                    off, n, crcs = chunks[r][f"{key}@{i * piece}{rest}"]
                     add((key, off, n, crcs, out[pos : pos + n]))
                     pos += n
 
@@ -250,6 +251,8 @@ def main() -> int:
     load = _total(text, parts, args.loads)
     print_counts("a load without its reads", text, parts, args.loads, PHASES)
     if floor is not None:
+        wall = re.search(r"wall ([0-9.]+) ms", floor[0])
+        print(f"wall time the skeleton: {wall.group(1) if wall else '?'} ms")
         print_counts("the same load cut down to what none can skip (--skeleton)", floor[0], floor[1], args.loads, [])
         least = _total(floor[0], {}, args.loads)
         if load and least:
@@ -294,13 +297,11 @@ def run_worker(script: str, args: list[str], d: str, counted: bool, phases: bool
 def print_counts(what: str, text: str, parts: dict[str, int], n: int, phases: list[tuple[str, str]]) -> None:
     """Millions of instructions of each of ``n`` runs of ``what``, and of each part of
     ``phases`` counted (a dump's own cost taken off)."""
-    whole = parts.pop("whole", None)
+    total = _total(text, parts, n)
+    parts.pop("whole", None)
     sha = parts.pop("_sha", None)
-    got = re.search(r"Collected : (\d+)", text)
-    if whole is not None:
-        print(f"{what}: {whole / n / 1e6:.2f} M instructions")
-    elif got:
-        print(f"{what}: {int(got.group(1)) / n / 1e6:.2f} M instructions")
+    if total is not None:
+        print(f"{what}: {total / 1e6:.2f} M instructions")
     if sha is not None:
         print(f"  of it, SHA-256 in libcrypto (manifest seal, index digests): {sha / n / 1e6:.2f} M (the software "
               "path: valgrind's CPU has no SHA extensions, which this machine's CPU may have)")
