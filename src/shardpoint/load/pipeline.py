@@ -87,7 +87,7 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions, f
     # plan the reads of this rank's own tensors (that changes nothing; an error is raised after the
     # verdict), then agree: an exchange on a thread beside the planning got the GIL back only at the
     # interpreter's switch interval (5 ms) after each of its steps, and on a busy machine shared a
-    # core with it; it was never faster (2 ranks on 2 cores: locate 9-14 ms, now 7-8.5 ms)
+    # core with it; it was never faster (benchmarks/README.md, "Agreeing after planning")
     ahead = None
     if err is None and top is not None and found is not None and manifest is not None:
         ahead = _plan_ahead(top, found, manifest, storage)
