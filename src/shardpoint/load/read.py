@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import NamedTuple, NoReturn
+from typing import NoReturn
 
 import msgspec
 import torch
@@ -89,29 +89,24 @@ class ReadJob(msgspec.Struct, frozen=True, gc=False):
     the job is planned; a part of it, :meth:`Reader._pieces`, is not)."""
 
 
-class _Step(NamedTuple):
-    """One read operation of a target, in elements and independent of the tensor's
-    dtype and place: tensors of one layout and one local boxes share their steps."""
+#: One read operation of a target, in bytes of one item size and independent of the
+#: tensor's dtype and place (tensors of one layout, one local boxes and one item size
+#: share their steps): ``(target, region, lo, hi, contiguous, narrows, into, box,
+#: nbytes, numel, rank, at, loc, whole)``. The bytes ``[lo, hi)`` of the chunk
+#: ``box`` (``nbytes``, ``numel`` elements) fill ``region`` of view ``target``;
+#: ``contiguous``: they are one range of the chunk; ``narrows``: ``(dim, start,
+#: length)`` that cut the region out of the view; ``into``: the bytes of the view it
+#: fills when they are one contiguous range there and in the chunk (:data:`_WHOLE`:
+#: all of them), else None; ``rank``: the saving rank whose index holds the chunk (-1:
+#: ``loc`` says where it is); ``at``: its name after the key (``@o0,o1``); ``whole``:
+#: the whole chunk (of at least one byte) is read. A plain tuple, not a NamedTuple:
+#: the planner unpacks one per chunk, and Python unpacks only an exact tuple in C.
+_Step = tuple[int, Box, int, int, bool, tuple[tuple[int, int, int], ...], "slice | None", Box, int, int, int, str,
+              "ChunkLoc | None", bool]
 
-    target: int
-    region: Box
-    first: int
-    last: int
-    contiguous: bool
-    narrows: tuple[tuple[int, int, int], ...]
-    """``(dim, start, length)`` that cut the region out of the target's view."""
-    span: int | None
-    """Where the region starts in the target's row-major layout (in elements) when it
-    is one contiguous range there and in the chunk; else None."""
-    box: Box
-    """The saved chunk's box."""
-    numel: int
-    """Its elements (its bytes are ``numel`` times the item size)."""
-    rank: int
-    """The saving rank whose index holds the chunk (-1: ``loc`` says where it is)."""
-    at: str
-    """Its name after the key (``@o0,o1``)."""
-    loc: ChunkLoc | None
+
+#: ``into`` of a :data:`_Step` whose region fills the whole view (the view's bytes, no slice of them).
+_WHOLE = slice(None)
 
 
 def _steps(spec: TensorSpec, chunks: tuple[SavedChunk, ...], targets: list[Box]) -> list[_Step]:
@@ -125,6 +120,7 @@ def _steps(spec: TensorSpec, chunks: tuple[SavedChunk, ...], targets: list[Box])
         ops = plan_reads(boxes, targets)
     except ValueError:
         raise CorruptCheckpointError(f"key {spec.key!r}: the checkpoint's chunks do not cover the tensor") from None
+    size = spec.itemsize
     steps = []
     for op in ops:
         tbox, chunk = targets[op.target], chunks[op.source]
@@ -132,33 +128,37 @@ def _steps(spec: TensorSpec, chunks: tuple[SavedChunk, ...], targets: list[Box])
             (d, r - o, n) for d, (r, o, n, m) in enumerate(zip(op.region.offsets, tbox.offsets, op.region.sizes,
                                                                tbox.sizes)) if n != m)
         tfirst, _tlast, _run, truns = box_runs(op.region, tbox)
-        span = tfirst if op.runs == 1 and truns == 1 else None
-        steps.append(_Step(op.target, op.region, op.first, op.last, op.runs == 1, narrows, span, chunk.box,
-                           chunk.box.numel, chunk.rank, box_at(chunk.box.offsets), chunk.loc))
+        lo, hi, numel = op.first * size, op.last * size, chunk.box.numel
+        into = None
+        if op.runs == 1 and truns == 1:
+            start = tfirst * size
+            into = _WHOLE if start == 0 and hi - lo == tbox.numel * size else slice(start, start + hi - lo)
+        steps.append((op.target, op.region, lo, hi, op.runs == 1, narrows, into, chunk.box, numel * size, numel,
+                      chunk.rank, box_at(chunk.box.offsets), chunk.loc, lo == 0 and 0 < hi == numel * size))
     return steps
 
 
 def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     """The read plan of every target (:func:`~shardpoint.plan.read.plan_reads`), each
     operation located in its rank's index and made a job. Targets of one layout (its
-    key names the shape and the saved boxes) and the same local boxes (a parameter
-    and its optimizer moments) are planned once: what is left per chunk is its
-    name, one look-up and its job."""
+    key names the shape and the saved boxes), the same local boxes (a parameter and
+    its optimizer moments) and one item size are planned once, in bytes: what is left
+    per chunk is its name, one look-up and its job."""
     jobs: list[ReadJob] = []
     add = jobs.append
-    known: dict[tuple[bytes, tuple[Box, ...]], list[_Step]] = {}
+    known: dict[tuple[bytes, tuple[Box, ...], int], list[_Step]] = {}
     find, indexes = locator.find, locator.indexes
     for t in targets:
         spec = t.spec
-        # a layout (a text naming the shape and the saved boxes; None for listed chunks) and local boxes
-        # seen before: the same chunks and the same steps
-        memo = None if spec.layout is None else (spec.layout, tuple(t.boxes))
+        # a layout (a text naming the shape and the saved boxes; None for listed chunks), local boxes and
+        # item size seen before: the same chunks and the same steps
+        memo = None if spec.layout is None else (spec.layout, tuple(t.boxes), spec.itemsize)
         steps = known.get(memo)  # type: ignore[arg-type]  # None is never a key
         if steps is None:
             steps = _steps(spec, spec.chunks(), t.boxes)
             if memo is not None:
                 known[memo] = steps
-        size, key, views = spec.itemsize, spec.key, t.views
+        key, views = spec.key, t.views
         dtype = spec.torch_dtype
         if dtype is None:
             dtype = spec.dtype  # raises, naming the key: this torch lacks the saved dtype
@@ -166,22 +166,19 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         # each view's bytes where the reads can go straight into them (most targets have one view: no
         # list comprehension for it)
         bases = (_into(views[0], dtype),) if len(views) == 1 else [_into(v, dtype) for v in views]
-        for target, region, first, last, contiguous, narrows, span, box, numel, rank, at, loc in steps:
+        for target, region, lo, hi, contiguous, narrows, into, box, nbytes, numel, rank, at, loc, whole in steps:
             if loc is None:
                 name = prefix + at
                 idx = indexes.get(rank)
                 loc = idx.locate(name) if idx is not None else None
                 if loc is None:
                     loc = find(key, rank, name)  # reads the rank's index, or raises naming the chunk
-            if loc.length != numel * size:
+            if loc.length != nbytes:
                 raise locator.wrong_length(spec, loc, numel)
             out = bases[target]
-            lo, hi = first * size, last * size
-            if out is not None and span is not None:  # straight into the target's bytes (``dst`` keeps them)
-                span *= size
-                if span or hi - lo != len(out):  # a part of the view (the whole: no new slice)
-                    out = out[span : span + hi - lo]
-                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out, not lo and 0 < hi == loc.length))
+            if out is not None and into is not None:  # straight into the target's bytes (``dst`` keeps them)
+                add(ReadJob(key, loc, box, region, lo, hi, True, dtype, views[target], out if into is _WHOLE else out[into],
+                            whole))
                 continue
             view = views[target]
             if view.requires_grad:  # a parameter: write its data
@@ -210,8 +207,13 @@ _MEMORY = memoryview((ctypes.c_char * _SPAN).from_address(_BASE)).cast("B")
 def _into(v: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
     """The bytes of view ``v`` when reads of ``dtype`` can go straight into them: a
     contiguous CPU tensor of that dtype (torch's dtypes are one object each), neither
-    conjugate nor negative (such a view holds other values than its bytes: copied into)."""
-    if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not (v.is_conj() or v.is_neg()):
+    negative nor conjugate (such a view holds other values than its bytes: copied
+    into; only a complex tensor can be conjugate: torch refuses the bit on others)."""
+    if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
+        n = v.nbytes
+        at = v.data_ptr() - _BASE
+        if n and 0 <= at <= _SPAN - n:  # :func:`_bytes_of`, inline (a load calls this for every tensor)
+            return _MEMORY[at : at + n]
         return _bytes_of(v)
     return None
 
