@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, TypeGuard
 
 import msgspec
@@ -152,6 +153,10 @@ _PLAIN = (type(None), bool, int, float, str, bytes)
 _PLAIN_TYPES = frozenset(_PLAIN)  # exactly these types (a subclass takes the general way)
 
 
+#: The children of every leaf node: none, and none can be added.
+_NO_CHILDREN: Mapping[str | int, Any] = MappingProxyType({})
+
+
 class Node(msgspec.Struct):
     """One node of the walked state. ``kind``: dict, list, tuple (containers),
     stateful, per_rank, tensor, value. A :class:`msgspec.Struct` (made in C): a walk
@@ -159,10 +164,11 @@ class Node(msgspec.Struct):
 
     kind: str
     obj: Any = None  # Any: the walked object of any kind above, used by the load as its kind says
-    children: dict[str | int, Node] = msgspec.field(default_factory=dict)
-    inner: Node | None = None
     key: str = ""
     """Its encoded key (a later pass over the nodes need not join the segments again)."""
+    children: Mapping[str | int, Node] = _NO_CHILDREN
+    """A container's nodes by segment (a dict made by the walk); a leaf's is empty."""
+    inner: Node | None = None
 
 
 @dataclass(slots=True)
@@ -181,7 +187,7 @@ class Walk:
 def walk(state: object, prefix: str = "") -> Walk:
     """Walk ``state`` once, calling each Stateful object's ``state_dict()`` exactly
     once. Raises ``TypeError`` naming the key of anything that cannot be saved."""
-    w = Walk(root=Node("dict"))
+    w = Walk(root=Node("dict", None, "", {}))
     w.root = _walk(state, prefix, w, in_per_rank=False)
     return w
 
@@ -191,26 +197,27 @@ _TENSORS = (torch.Tensor, FlatShard, np.ndarray)
 
 def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
     if isinstance(obj, _TENSORS):  # the commonest first (a PerRank is none of them)
-        n = Node("tensor", obj, key=key)
+        n = Node("tensor", obj, key)
         w.leaves[key] = n
         return n
     if isinstance(obj, PerRank):
         if in_per_rank:
             return _walk(obj.value, key, w, True)
-        sub = Walk(root=Node("dict"))
+        sub = Walk(root=Node("dict", None, "", {}))
         sub.root = _walk(obj.value, key, sub, in_per_rank=True)
         w.per_rank[key] = sub
-        return Node("per_rank", obj, inner=sub.root, key=key)
+        return Node("per_rank", obj, key, inner=sub.root)
     if isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, _PLAIN):
-        n = Node("value", obj, key=key)
+        n = Node("value", obj, key)
         w.leaves[key] = n
         return n
     if isinstance(obj, Mapping):
-        n = Node("dict", obj, key=key)
+        children: dict[str | int, Node] = {}
+        n = Node("dict", obj, key, children)
         w.containers[key] = "dict"
-        children, leaves, memo = n.children, w.leaves, PROCESS.key_segments
+        leaves, memo = w.leaves, PROCESS.key_segments
         above = "" if key == "" else key + "/"
         for k, v in obj.items():
             if type(k) is str:  # a state's keys repeat a few names: their escaped forms are remembered
@@ -224,34 +231,35 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
             else:
                 child_key = join(key, k)
             if isinstance(v, _TENSORS):  # a tensor leaf, the commonest child, without a call
-                c = children[k] = Node("tensor", v, key=child_key)
+                c = children[k] = Node("tensor", v, child_key)
                 leaves[child_key] = c
             elif type(v) in _PLAIN_TYPES:  # a plain value (an optimizer's lr), without a call
-                c = children[k] = Node("value", v, key=child_key)
+                c = children[k] = Node("value", v, child_key)
                 leaves[child_key] = c
             else:
                 children[k] = _walk(v, child_key, w, in_per_rank)
         return n
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
-        n = Node(kind, obj, key=key)
+        items: dict[str | int, Node] = {}
+        n = Node(kind, obj, key, items)
         w.containers[key] = kind
-        children, leaves = n.children, w.leaves
+        leaves = w.leaves
         above = "" if key == "" else key + "/"
         for i, v in enumerate(obj):
             child_key = above + str(i)
             if type(v) in _PLAIN_TYPES:  # a param group's parameter names, without a call
-                c = children[i] = Node("value", v, key=child_key)
+                c = items[i] = Node("value", v, child_key)
                 leaves[child_key] = c
             else:
-                children[i] = _walk(v, child_key, w, in_per_rank)
+                items[i] = _walk(v, child_key, w, in_per_rank)
         return n
     if is_stateful(obj):
         w.stateful.append((key, obj))
         sd = obj.state_dict()
         if not isinstance(sd, Mapping):
             raise UnsupportedTypeError(f"key {key or '<root>'!r}: {type(obj).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
-        return Node("stateful", obj, inner=_walk(sd, key, w, in_per_rank), key=key)
+        return Node("stateful", obj, key, inner=_walk(sd, key, w, in_per_rank))
     raise UnsupportedTypeError(
         f"key {key or '<root>'!r} holds a {type(obj).__module__}.{type(obj).__name__}, which shardpoint cannot save: "
         "use tensors, numpy arrays, None/bool/int/float/str/bytes, dicts, lists, tuples, or an object "
