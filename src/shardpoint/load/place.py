@@ -22,7 +22,7 @@ from ..format.boxes import Box
 from ..format.chunks import TensorSpec
 from ..format.manifest import Manifest, Tree
 from ..format.model import PerRankEntry, TensorEntry, ValueEntry, kind_of
-from ..layout.local import Describe, LocalChunks
+from ..layout.local import Describe
 from ..report import LoadReport
 from ..tree import Node, PerRank, Selection, Walk, decode_key, join
 from .locate import Locator
@@ -88,7 +88,7 @@ class KeyCheck:
     """Local keys the checkpoint lacks."""
     values: list[str] = field(default_factory=list)
     """Local plain values the checkpoint holds (to assign; the tensors to read are
-    :attr:`TreeLoad.local`)."""
+    :attr:`TreeLoad.targets`)."""
 
     def record(self, report: LoadReport) -> None:
         report.skipped += self.skipped
@@ -108,19 +108,24 @@ class TreeLoad:
     touched: set[str] = field(default_factory=set)
     rank: int = 0
     per_rank: bool = False  # a per-rank value's tree (its chunks are named apart in the data files)
-    local: dict[str, LocalChunks] = field(default_factory=dict)  # key -> what this rank holds of the tensor
+    targets: list[Target] = field(default_factory=list)  # this rank's tensors the checkpoint holds: what it reads
+    cast: list[str] = field(default_factory=list)  # the keys of those whose dtype is not the saved one
     shape: Shape | None = None  # the saved containers, for what is created; made on first use
 
     def check(self, strict: bool) -> KeyCheck:
         """Keys and shapes, before anything is modified; returns what it found left
-        out or missing (recorded in the report by the caller)."""
-        tensors, local, entries, select = self.tree.tensors, self.local, self.tree.entries, self.select
+        out or missing (recorded in the report by the caller). The local tensors the
+        checkpoint holds become :attr:`targets` (what :meth:`plan_local` reads)."""
+        tensors, entries, select, per_rank = self.tree.tensors, self.tree.entries, self.select, self.per_rank
         skipped: list[str] = []
         missing: list[str] = []
         found_values: list[str] = []
+        self.targets, self.cast = [], []
+        add, cast = self.targets.append, self.cast
+        everything = select.everything
         describe = Describe(detach=False)  # reads detach where they must
         for key, node in self.walk.leaves.items():
-            if not select.everything and not select(key):
+            if not everything and not select(key):
                 skipped.append(key)
                 continue
             e = entries.get(key)
@@ -130,10 +135,11 @@ class TreeLoad:
             if node.kind == "tensor":
                 if type(e) is not TensorEntry:
                     raise KeyMismatchError(f"key {key!r} is a tensor in the local state but a {kind_of(e)} in the checkpoint")
-                lc = local[key] = describe(key, node.obj)
-                if lc.shape != tensors[key].shape:
+                lc = describe(key, node.obj)
+                spec = tensors[key]
+                if lc.shape != spec.shape:
                     raise KeyMismatchError(
-                        f"key {key!r}: the checkpoint holds shape {tensors[key].shape}, the local tensor has global shape "
+                        f"key {key!r}: the checkpoint holds shape {spec.shape}, the local tensor has global shape "
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
                 views = lc.views  # most tensors have one view: no generator for it (a load checks every tensor)
@@ -142,6 +148,9 @@ class TreeLoad:
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
                     )
+                if lc.dtype is not spec.torch_dtype:  # torch's dtypes are one object each
+                    cast.append(key)
+                add(Target(spec, lc.boxes, views, per_rank))
             elif type(e) is not ValueEntry:
                 raise KeyMismatchError(f"key {key!r} is a plain value in the local state but a {kind_of(e)} in the checkpoint")
             else:
@@ -173,20 +182,16 @@ class TreeLoad:
         self.plan_created(reads, held, create)
 
     def plan_local(self, reads: Collect, found: KeyCheck) -> None:
-        """Collect the reads of the local tensors the key check ``found`` to load and the
-        values to assign (changes nothing in the state)."""
-        r = self.report
-        tensors, values, per_rank = self.tree.tensors, self.tree.values, self.per_rank
-        add = reads.targets.append
-        for key, lc in self.local.items():
-            spec = tensors[key]
-            if lc.dtype is not spec.torch_dtype:  # torch's dtypes are one object each
-                r.cast.append(key)
-            add(Target(spec, lc.boxes, lc.views, per_rank))
+        """Collect the reads of the local tensors the key check ``found`` to load (its
+        :attr:`targets`) and the values to assign (changes nothing in the state)."""
+        r, values = self.report, self.tree.values
+        reads.targets += self.targets
+        r.cast += self.cast
         self.values.update((key, values.get(key)) for key in found.values)
-        r.loaded += self.local
+        loaded = [t.spec.key for t in self.targets]
+        r.loaded += loaded
         r.loaded += found.values
-        self.touched.update(self.local, found.values)
+        self.touched.update(loaded, found.values)
 
     def plan_created(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
         """Decide what to create: the checkpoint's keys that no rank holds (``held``)
