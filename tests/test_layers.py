@@ -137,7 +137,8 @@ def _mutable_module_state(path: Path) -> list[str]:
                       "getLogger", "get", "_env_size", "_env_seconds", "MappingProxyType", "namedtuple", "fromtimestamp",
                       "Lock",  # a lock guards state, it holds none
                       "Decoder", "Encoder",  # msgspec's: built once, hold no state (as re.compile's patterns)
-                      "attrgetter", "itemgetter"}  # operator's: a fixed look-up, no state
+                      "attrgetter", "itemgetter",  # operator's: a fixed look-up, no state
+                      "slice"}  # immutable, as a tuple
     tree = ast.parse(path.read_text())
     mutated: set[str] = set()  # names assigned into or changed by a method anywhere in the module
     for node in ast.walk(tree):
