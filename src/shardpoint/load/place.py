@@ -38,10 +38,6 @@ class Collect:
     locator: Locator
     targets: list[Target] = field(default_factory=list)
 
-    def add(self, spec: TensorSpec, boxes: list[Box], views: list[torch.Tensor], per_rank: bool) -> None:
-        """Read ``spec``'s ``boxes`` into ``views`` (this rank's tensors)."""
-        self.targets.append(Target(spec, boxes, views, per_rank))
-
     def create(self, spec: TensorSpec, per_rank: bool) -> Fresh:
         """Create ``spec``'s tensor whole (allocated here, once its files are seen to
         hold its bytes where it is large) and read it."""

@@ -210,10 +210,6 @@ def _into(v: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
     negative nor conjugate (such a view holds other values than its bytes: copied
     into; only a complex tensor can be conjugate: torch refuses the bit on others)."""
     if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
-        n = v.nbytes
-        at = v.data_ptr() - _BASE
-        if n and 0 <= at <= _SPAN - n:  # :func:`_bytes_of`, inline (a load calls this for every tensor)
-            return _MEMORY[at : at + n]
         return _bytes_of(v)
     return None
 
