@@ -152,7 +152,8 @@ def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
             elif isinstance(v, torch.Tensor):
                 e = entries[key]
                 t = v._local_tensor if type(v) is DTensor else v
-                if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and not t.is_neg()):  # as the load: float32 has no conjugate bit
+                # the load's view checks (a float32 tensor has no conjugate bit to ask for)
+                if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and not t.is_neg()):
                     raise ValueError(f"{key}: not this benchmark's state")
                 out = _bytes_of(t)
                 grid = e.grid  # type: ignore[union-attr]
