@@ -42,7 +42,8 @@ class Collect:
         """Create ``spec``'s tensor whole (allocated here, once its files are seen to
         hold its bytes where it is large) and read it."""
         fresh = Fresh(spec, _allocate(spec, self.locator))
-        self.targets.append(Target(spec, [Box((0,) * len(spec.shape), spec.shape)], [fresh.tensor], per_rank))
+        self.targets.append(Target(spec, [Box((0,) * len(spec.shape), spec.shape)], [fresh.tensor], per_rank,
+                                   True))  # a CPU tensor of the saved dtype
         return fresh
 
 
@@ -139,14 +140,17 @@ class TreeLoad:
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
                 views = lc.views  # most tensors have one view: no generator for it (a load checks every tensor)
-                if views[0].is_meta if len(views) == 1 else any(v.is_meta for v in views):
+                # on the CPU (the commonest: then not on the meta device), or not on the meta device
+                cpu = views[0].is_cpu if len(views) == 1 else all(v.is_cpu for v in views)
+                if not cpu and any(v.is_meta for v in views):
                     raise KeyMismatchError(
                         f"key {key!r} is on the meta device, so there is no memory to load into; materialise it "
                         "first (module.to_empty(device=...)) and then load"
                     )
-                if lc.dtype is not spec.torch_dtype:  # torch's dtypes are one object each
+                same = lc.dtype is spec.torch_dtype  # torch's dtypes are one object each
+                if not same:
                     cast.append(key)
-                add(Target(spec, lc.boxes, views, per_rank))
+                add(Target(spec, lc.boxes, views, per_rank, cpu and same))
             elif type(e) is not ValueEntry:
                 raise KeyMismatchError(f"key {key!r} is a plain value in the local state but a {kind_of(e)} in the checkpoint")
             else:

@@ -61,6 +61,10 @@ class Target(msgspec.Struct, frozen=True, gc=False):
     boxes: list[Box]
     views: list[torch.Tensor]
     per_rank: bool
+    direct: bool
+    """Every view is a CPU tensor of the saved dtype (as the key check found): reads may
+    go straight into the bytes of each one that is also contiguous, neither negative
+    nor conjugate (:func:`_into`)."""
 
 
 class ReadJob(msgspec.Struct, frozen=True, gc=False):
@@ -165,7 +169,12 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         prefix = "/per_rank/" + key if t.per_rank else key
         # each view's bytes where the reads can go straight into them (most targets have one view: no
         # list comprehension for it)
-        bases = (_into(views[0], dtype),) if len(views) == 1 else [_into(v, dtype) for v in views]
+        if not t.direct:
+            bases: Sequence[memoryview | None] = (None,) * len(views)
+        elif len(views) == 1:
+            bases = (_into(views[0], dtype),)
+        else:
+            bases = [_into(v, dtype) for v in views]
         for target, region, lo, hi, contiguous, narrows, into, box, nbytes, numel, rank, at, loc, whole in steps:
             if loc is None:
                 name = prefix + at
@@ -205,11 +214,11 @@ _MEMORY = memoryview((ctypes.c_char * _SPAN).from_address(_BASE)).cast("B")
 
 
 def _into(v: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """The bytes of view ``v`` when reads of ``dtype`` can go straight into them: a
-    contiguous CPU tensor of that dtype (torch's dtypes are one object each), neither
-    negative nor conjugate (such a view holds other values than its bytes: copied
-    into; only a complex tensor can be conjugate: torch refuses the bit on others)."""
-    if v.dtype is dtype and v.is_cpu and v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
+    """The bytes of view ``v``, a CPU tensor of ``dtype`` (a :attr:`Target.direct`
+    one's), when reads can go straight into them: contiguous, neither negative nor
+    conjugate (such a view holds other values than its bytes: copied into; only a
+    complex tensor can be conjugate: torch refuses the bit on others)."""
+    if v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
         return _bytes_of(v)
     return None
 
