@@ -214,13 +214,13 @@ def _holds(top: TreeLoad, manifest: Manifest) -> list[str]:
     """What this rank tells the others: the checkpoint it opened (its save id) and
     which of its keys this rank's state holds ("" for all of them, else a bitmap over
     the sorted keys, as hex)."""
-    local = top.walk.leaves.keys() | top.walk.per_rank.keys()
-    if manifest.tree.entries.keys() <= local:
+    entries, leaves, per_rank = manifest.tree.entries, top.walk.leaves, top.walk.per_rank
+    if entries.keys() <= leaves.keys() or all(k in leaves or k in per_rank for k in entries):  # no set made
         return [manifest.save_id, ""]
-    names = sorted(manifest.tree.entries)
+    names = sorted(entries)
     bits = bytearray((len(names) + 7) // 8)
     for i, k in enumerate(names):
-        if k in local:
+        if k in leaves or k in per_rank:
             bits[i >> 3] |= 1 << (i & 7)
     return [manifest.save_id, bits.hex()]
 

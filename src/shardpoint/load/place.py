@@ -198,7 +198,9 @@ class TreeLoad:
         and that lie below a local container."""
         r = self.report
         entries = self.tree.entries
-        absent = entries.keys() - self.walk.leaves.keys() - self.walk.per_rank.keys()  # in C: most loads hold every key
+        leaves = self.walk.leaves
+        # in C, and no set made when the state holds every key (most loads)
+        absent = () if entries.keys() <= leaves.keys() else entries.keys() - leaves.keys() - self.walk.per_rank.keys()
         for key, e in entries.items() if absent else ():
             if key not in absent or not self.select(key) or held(key):
                 continue
