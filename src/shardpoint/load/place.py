@@ -140,7 +140,7 @@ class TreeLoad:
                         f"{tuple(lc.shape)}; load into a tensor of the saved shape (or leave the key out with exclude=)"
                     )
                 views = lc.views  # most tensors have one view: no generator for it (a load checks every tensor)
-                # on the CPU (the commonest: then not on the meta device), or not on the meta device
+                # a view on the CPU (most are) is not on the meta device: only the others are asked
                 cpu = views[0].is_cpu if len(views) == 1 else all(v.is_cpu for v in views)
                 if not cpu and any(v.is_meta for v in views):
                     raise KeyMismatchError(
