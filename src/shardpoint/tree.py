@@ -214,31 +214,7 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         w.leaves[key] = n
         return n
     if isinstance(obj, Mapping):
-        children: dict[str | int, Node] = {}
-        n = Node("dict", obj, key, children)
-        w.containers[key] = "dict"
-        leaves, memo = w.leaves, PROCESS.key_segments
-        above = "" if key == "" else key + "/"
-        for k, v in obj.items():
-            if type(k) is str:  # a state's keys repeat a few names: their escaped forms are remembered
-                e = memo.get(k)
-                child_key = above + (e if e is not None else _enc_str(k))
-            elif isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise UnsupportedTypeError(
-                    f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
-                    "only str and int keys can be saved: convert the key to str"
-                )
-            else:
-                child_key = join(key, k)
-            if isinstance(v, _TENSORS):  # a tensor leaf, the commonest child, without a call
-                c = children[k] = Node("tensor", v, child_key)
-                leaves[child_key] = c
-            elif type(v) in _PLAIN_TYPES:  # a plain value (an optimizer's lr), without a call
-                c = children[k] = Node("value", v, child_key)
-                leaves[child_key] = c
-            else:
-                children[k] = _walk(v, child_key, w, in_per_rank)
-        return n
+        return _walk_mapping(obj, key, w, in_per_rank)
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
         items: dict[str | int, Node] = {}
@@ -265,3 +241,34 @@ def _walk(obj: object, key: str, w: Walk, in_per_rank: bool) -> Node:
         "use tensors, numpy arrays, None/bool/int/float/str/bytes, dicts, lists, tuples, or an object "
         "with state_dict()/load_state_dict()"
     )
+
+
+def _walk_mapping(obj: Mapping[Any, object], key: str, w: Walk, in_per_rank: bool) -> Node:
+    """A dict or other mapping: its node, its children walked."""
+    children: dict[str | int, Node] = {}
+    n = Node("dict", obj, key, children)
+    w.containers[key] = "dict"
+    leaves, memo = w.leaves, PROCESS.key_segments
+    above = "" if key == "" else key + "/"
+    for k, v in obj.items():
+        if type(k) is str:  # a state's keys repeat a few names: their escaped forms are remembered
+            e = memo.get(k)
+            child_key = above + (e if e is not None else _enc_str(k))
+        elif isinstance(k, bool) or not isinstance(k, (str, int)):
+            raise UnsupportedTypeError(
+                f"key {key or '<root>'!r} has a dict key of type {type(k).__name__} ({k!r}); "
+                "only str and int keys can be saved: convert the key to str"
+            )
+        else:
+            child_key = join(key, k)
+        if isinstance(v, _TENSORS):  # a tensor leaf, the commonest child, without a call
+            c = children[k] = Node("tensor", v, child_key)
+            leaves[child_key] = c
+        elif type(v) in _PLAIN_TYPES:  # a plain value (an optimizer's lr), without a call
+            c = children[k] = Node("value", v, child_key)
+            leaves[child_key] = c
+        elif type(v) is dict:  # a nested dict (one parameter's optimizer state), without the checks
+            children[k] = _walk_mapping(v, child_key, w, in_per_rank)
+        else:
+            children[k] = _walk(v, child_key, w, in_per_rank)
+    return n

@@ -79,12 +79,13 @@ class Describe:
     its own), so a DTensor of a layout met before is described with no further call.
     ``detach``: as :func:`chunks_of`'s."""
 
-    __slots__ = ("_by_spec", "_dtensor", "_replicate", "_shard", "detach", "seen")
+    __slots__ = ("_by_spec", "_dtensor", "_replicate", "_shard", "_whole", "detach", "seen")
 
     def __init__(self, *, detach: bool = True) -> None:
         self.seen: Seen = {}
         self.detach = detach
         self._by_spec: dict[int, tuple[object, tuple[int, ...], Box]] = {}  # id(spec) -> spec (kept), shape, box
+        self._whole: dict[tuple[int, ...], Box] = {}  # a plain tensor's box, by its shape
         self._dtensor = _dtensor_class()
         self._shard: type | None = None
         self._replicate: type | None = None
@@ -106,7 +107,10 @@ class Describe:
                     return LocalChunks(got[1], local.dtype, [box], [local])
         elif type(leaf) is torch.Tensor and not (self.detach and leaf.requires_grad):  # a plain tensor (a step count)
             shape = tuple(leaf.shape)
-            return LocalChunks(shape, leaf.dtype, [Box((0,) * len(shape), shape)], [leaf])
+            whole = self._whole.get(shape)
+            if whole is None:  # the whole of a tensor of this shape, made once (a Box's constructor is Python)
+                whole = self._whole[shape] = Box((0,) * len(shape), shape)
+            return LocalChunks(shape, leaf.dtype, [whole], [leaf])
         return chunks_of(key, leaf, self.seen, detach=self.detach)
 
     def _layout(self, spec: Any) -> tuple[object, tuple[int, ...], Box] | None:

@@ -150,18 +150,28 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
     per chunk is its name, one look-up and its job."""
     jobs: list[ReadJob] = []
     add = jobs.append
-    known: dict[tuple[bytes, tuple[Box, ...], int], list[_Step]] = {}
+    known: dict[bytes, list[tuple[list[Box], int, list[_Step]]]] = {}  # by layout: local boxes, item size, steps
     find, indexes = locator.find, locator.indexes
     for t in targets:
         spec = t.spec
         # a layout (a text naming the shape and the saved boxes; None for listed chunks), local boxes and
-        # item size seen before: the same chunks and the same steps
-        memo = None if spec.layout is None else (spec.layout, tuple(t.boxes), spec.itemsize)
-        steps = known.get(memo)  # type: ignore[arg-type]  # None is never a key
-        if steps is None:
-            steps = _steps(spec, spec.chunks(), t.boxes)
-            if memo is not None:
-                known[memo] = steps
+        # item size seen before: the same chunks and the same steps (the boxes compared, not hashed: a
+        # walk's DTensors of one layout share their box objects)
+        layout, boxes, size = spec.layout, t.boxes, spec.itemsize
+        steps = None
+        if layout is not None:
+            seen = known.get(layout)
+            if seen is None:
+                seen = known[layout] = []
+            for seen_boxes, seen_size, seen_steps in seen:
+                if seen_size == size and seen_boxes == boxes:
+                    steps = seen_steps
+                    break
+            else:
+                steps = _steps(spec, spec.chunks(), boxes)
+                seen.append((boxes, size, steps))
+        else:
+            steps = _steps(spec, spec.chunks(), boxes)
         key, views = spec.key, t.views
         dtype = spec.torch_dtype
         if dtype is None:
@@ -171,8 +181,13 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         # list comprehension for it)
         if not t.direct:
             bases: Sequence[memoryview | None] = (None,) * len(views)
-        elif len(views) == 1:
-            bases = (_into(views[0], dtype),)
+        elif len(views) == 1:  # _into and _bytes_of, inline: most targets are one view
+            v = views[0]
+            if v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
+                size_b, addr = v.nbytes, v.data_ptr() - _BASE
+                bases = (_MEMORY[addr : addr + size_b] if 0 < size_b and 0 <= addr <= _SPAN - size_b else _bytes_of(v),)
+            else:
+                bases = (None,)
         else:
             bases = [_into(v, dtype) for v in views]
         for target, region, lo, hi, contiguous, narrows, into, box, nbytes, numel, rank, at, loc, whole in steps:
