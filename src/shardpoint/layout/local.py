@@ -94,11 +94,14 @@ class Describe:
 
     def __call__(self, key: str, leaf: object) -> LocalChunks:
         if type(leaf) is self._dtensor:  # DTensor itself (a subclass goes the general way)
-            spec: Any = getattr(leaf, "_spec", None)
+            dt: Any = leaf  # Any: the slots of this torch's DTensor
+            try:  # DTensor's own slots, read as attributes (faster than getattr with a default)
+                spec, local = dt._spec, dt._local_tensor
+            except AttributeError:  # not set, or another torch's DTensor: the general way
+                return chunks_of(key, leaf, self.seen, detach=self.detach)
             got = self._by_spec.get(id(spec))
             if got is None or got[0] is not spec:
                 got = self._layout(spec)
-            local = getattr(leaf, "_local_tensor", None)
             if got is not None and type(local) is torch.Tensor:
                 box = got[2]
                 if local.shape == box.sizes:
