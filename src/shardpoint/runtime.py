@@ -11,9 +11,10 @@
 * ``in_flight``: the asynchronous save still running, if any (one at a time);
 * ``staging`` and ``pool``: the host buffers saves copy through, reused;
 * ``seams``: what tests and benchmarks may set or read (phase hooks, counters);
-* ``layout_checks``, ``layout_chunks`` and ``key_segments``: bounded memos of pure
-  functions (a manifest layout's check and chunks, a key segment's escaping), kept
-  across forks: they hold no process's resources.
+* ``layout_checks``, ``layout_chunks``, ``key_segments`` and ``whole_boxes``: bounded
+  memos of pure functions (a manifest layout's check and chunks, a key segment's
+  escaping, the box of a whole tensor of a shape), kept across forks: they hold no
+  process's resources.
 
 Its lifecycle:
 
@@ -128,6 +129,9 @@ class Process:
     #: State keys' str segments already escaped (tree.encode_key), by segment. Bounded by
     #: tree.SEGMENTS_MAX.
     key_segments: dict[str, str] = field(default_factory=dict)
+    #: The box of a whole tensor (layout.local.whole_box: a format.boxes.Box), by shape.
+    #: Bounded by layout.local.WHOLE_MAX.
+    whole_boxes: dict[tuple[int, ...], object] = field(default_factory=dict)
     #: Whether the exit hook of the save in flight is registered (at the first save or restore).
     exit_hook: bool = False
     #: Per thread: the CUDA copy stream of each device (made on first use).

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import UsageError
 from ..plan.boxes import Box, flat_range_boxes
+from ..runtime import PROCESS
 from .flat import FlatShard
 
 if TYPE_CHECKING:
@@ -64,11 +65,30 @@ def chunks_of(key: str, leaf: object, seen: Seen | None = None, *, detach: bool 
             raise UsageError(f"key {key!r}: numpy arrays of dtype {leaf.dtype} cannot be saved; use a numeric dtype")
         t = torch.from_numpy(leaf) if all(s >= 0 for s in leaf.strides) else torch.from_numpy(leaf.copy())
         shape = tuple(t.shape)
-        return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t], numpy=True)
+        return LocalChunks(shape, t.dtype, [whole_box(shape)], [t], numpy=True)
     assert isinstance(leaf, torch.Tensor)
     t = leaf.detach() if detach and leaf.requires_grad else leaf
     shape = tuple(t.shape)
-    return LocalChunks(shape, t.dtype, [Box((0,) * len(shape), shape)], [t])
+    return LocalChunks(shape, t.dtype, [whole_box(shape)], [t])
+
+
+#: Most shapes :func:`whole_box` remembers.
+WHOLE_MAX = 1 << 12
+
+
+def whole_box(shape: tuple[int, ...]) -> Box:
+    """The box of the whole of a tensor of ``shape``, made once per shape and kept in
+    :attr:`~shardpoint.runtime.Process.whole_boxes` (a save and a load describe every
+    tensor, a state's plain tensors have a few shapes, and a :class:`Box`'s
+    constructor runs in Python)."""
+    memo = PROCESS.whole_boxes
+    box = memo.get(shape)
+    if isinstance(box, Box):
+        return box
+    if len(memo) >= WHOLE_MAX:
+        memo.clear()
+    made = memo[shape] = Box((0,) * len(shape), shape)
+    return made
 
 
 class Describe:
@@ -79,13 +99,12 @@ class Describe:
     its own), so a DTensor of a layout met before is described with no further call.
     ``detach``: as :func:`chunks_of`'s."""
 
-    __slots__ = ("_by_spec", "_dtensor", "_replicate", "_shard", "_whole", "detach", "seen")
+    __slots__ = ("_by_spec", "_dtensor", "_replicate", "_shard", "detach", "seen")
 
     def __init__(self, *, detach: bool = True) -> None:
         self.seen: Seen = {}
         self.detach = detach
         self._by_spec: dict[int, tuple[object, tuple[int, ...], Box]] = {}  # id(spec) -> spec (kept), shape, box
-        self._whole: dict[tuple[int, ...], Box] = {}  # a plain tensor's box, by its shape
         self._dtensor = _dtensor_class()
         self._shard: type | None = None
         self._replicate: type | None = None
@@ -110,10 +129,7 @@ class Describe:
                     return LocalChunks(got[1], local.dtype, [box], [local])
         elif type(leaf) is torch.Tensor and not (self.detach and leaf.requires_grad):  # a plain tensor (a step count)
             shape = tuple(leaf.shape)
-            whole = self._whole.get(shape)
-            if whole is None:  # the whole of a tensor of this shape, made once (a Box's constructor is Python)
-                whole = self._whole[shape] = Box((0,) * len(shape), shape)
-            return LocalChunks(shape, leaf.dtype, [whole], [leaf])
+            return LocalChunks(shape, leaf.dtype, [whole_box(shape)], [leaf])
         return chunks_of(key, leaf, self.seen, detach=self.detach)
 
     def _layout(self, spec: Any) -> tuple[object, tuple[int, ...], Box] | None:

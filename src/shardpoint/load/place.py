@@ -18,11 +18,10 @@ from typing import Generic, TypeVar
 import torch
 
 from ..errors import AllocationError, CorruptCheckpointError, KeyMismatchError
-from ..format.boxes import Box
 from ..format.chunks import TensorSpec
 from ..format.manifest import Manifest, Tree
 from ..format.model import PerRankEntry, TensorEntry, ValueEntry, kind_of
-from ..layout.local import Describe
+from ..layout.local import Describe, whole_box
 from ..report import LoadReport
 from ..tree import Node, PerRank, Selection, Walk, decode_key, join
 from .locate import Locator
@@ -42,7 +41,7 @@ class Collect:
         """Create ``spec``'s tensor whole (allocated here, once its files are seen to
         hold its bytes where it is large) and read it."""
         fresh = Fresh(spec, _allocate(spec, self.locator))
-        self.targets.append(Target(spec, [Box((0,) * len(spec.shape), spec.shape)], [fresh.tensor], per_rank,
+        self.targets.append(Target(spec, [whole_box(spec.shape)], [fresh.tensor], per_rank,
                                    True))  # a CPU tensor of the saved dtype
         return fresh
 
