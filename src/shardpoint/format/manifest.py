@@ -472,6 +472,10 @@ def _parse_health(doc: Document, bad: _Bad) -> tuple[list[str] | None, list[str]
     return h.nonfinite, h.nan, h.roles, out
 
 
+#: What :data:`~shardpoint.runtime.Process.layout_checks` gives for a layout not checked yet.
+_UNCHECKED = "unchecked"
+
+
 def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry], files: dict[str, DataFile], block: int,
                 bad: _Bad, ws: int, depth: int, under: str | None = None, version: int = FORMAT_VERSION) -> Tree:
     """The typed tree of decoded ``containers`` and ``entries`` (their types checked
@@ -483,25 +487,23 @@ def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry],
     checked = PROCESS.layout_checks  # layouts.check's memo: most entries share a layout checked before
     encode_layout = layouts.KEY_ENCODER.encode
     for key, e in entries.items():
-        t = type(e)
-        if t is TensorEntry:
-            assert isinstance(e, TensorEntry)
+        if type(e) is TensorEntry:
             name = e.dtype
             layout: bytes | None
             if version >= 2 and e.chunks is None and not e.numpy and name in DTYPES:  # the commonest entry, inline
                 layout = encode_layout((e.grid, e.flat, e.shape, ws))  # layouts.layout_key
-                why = checked[layout] if layout in checked else layouts.check(e, ws, layout)
+                why = checked.get(layout, _UNCHECKED)
+                if why is _UNCHECKED:
+                    why = layouts.check(e, ws, layout)
                 if why is not None:
                     raise bad(f"entry {key!r}: {why}")
             else:
                 layout = _check_tensor(key, e, files, block, bad, ws, version)
             tensors[key] = TensorSpec(key, name, ITEMSIZES[name], tuple(e.shape), e.numpy, version, e, layout,
                                       TORCH_DTYPES.get(name))
-        elif t is ValueEntry:
-            assert isinstance(e, ValueEntry)
+        elif type(e) is ValueEntry:
             values[key] = decode_value(e.value, key)
-        elif t is PerRankEntry and depth == 0:
-            assert isinstance(e, PerRankEntry)
+        elif type(e) is PerRankEntry and depth == 0:
             subs = tree.per_rank[key] = {}
             for r, sub in e.ranks.items():
                 if not (r.isascii() and r.isdigit() and len(r) <= 9) or int(r) >= ws:
