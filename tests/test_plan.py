@@ -601,3 +601,25 @@ def _runs(mask: list[bool]) -> list[tuple[int, int]]:
             out.append((start, i))
             start = None
     return out
+
+
+def test_whole_box_is_made_once_per_shape_and_bounded() -> None:
+    """A save and a load describe each plain tensor with the box of its whole: one
+    shared, immutable Box per shape, and the memo never grows past its bound."""
+    import torch
+
+    from shardpoint.layout import local
+    from shardpoint.runtime import PROCESS
+
+    a = local.whole_box((3, 4))
+    assert a == Box((0, 0), (3, 4)) and isinstance(a, Box)
+    assert local.whole_box((3, 4)) is a
+    assert local.whole_box(()) == Box((), ()) and local.whole_box((3,)) == Box((0,), (3,))
+    for n in range(local.WHOLE_MAX + 10):
+        local.whole_box((n, 1))
+    assert len(PROCESS.whole_boxes) <= local.WHOLE_MAX
+    assert local.whole_box((3, 4)) == Box((0, 0), (3, 4))
+    # what a load describes: a plain tensor's box is the shared one
+    t = torch.zeros(3, 4)
+    assert local.chunks_of("k", t).boxes[0] is local.whole_box((3, 4))
+    assert local.Describe(detach=False)("k", t).boxes[0] is local.whole_box((3, 4))
