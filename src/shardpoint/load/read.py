@@ -64,7 +64,7 @@ class Target(msgspec.Struct, frozen=True, gc=False):
     direct: bool
     """Every view is a CPU tensor of the saved dtype (as the key check found): reads may
     go straight into the bytes of each one that is also contiguous, neither negative
-    nor conjugate (:func:`_into`)."""
+    nor conjugate (:func:`plan_jobs`)."""
 
 
 class ReadJob(msgspec.Struct, frozen=True, gc=False):
@@ -177,19 +177,13 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         if dtype is None:
             dtype = spec.dtype  # raises, naming the key: this torch lacks the saved dtype
         prefix = "/per_rank/" + key if t.per_rank else key
-        # each view's bytes where the reads can go straight into them (most targets have one view: no
-        # list comprehension for it)
-        if not t.direct:
-            bases: Sequence[memoryview | None] = (None,) * len(views)
-        elif len(views) == 1:  # _into and _bytes_of, inline: most targets are one view
-            v = views[0]
-            if v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
-                size_b, addr = v.nbytes, v.data_ptr() - _BASE
-                bases = (_MEMORY[addr : addr + size_b] if 0 < size_b and 0 <= addr <= _SPAN - size_b else _bytes_of(v),)
-            else:
-                bases = (None,)
-        else:
-            bases = [_into(v, dtype) for v in views]
+        # each view's bytes where the reads can go straight into them: a view of a direct target (a CPU
+        # tensor of the saved dtype) that is contiguous and neither negative nor conjugate (such a view
+        # holds other values than its bytes: copied into; only a complex tensor can be conjugate)
+        bases: list[memoryview | None] = []
+        for v in views:
+            direct = t.direct and v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj())
+            bases.append(_bytes_of(v) if direct else None)
         for target, region, lo, hi, contiguous, narrows, into, box, nbytes, numel, rank, at, loc, whole in steps:
             if loc is None:
                 name = prefix + at
@@ -226,16 +220,6 @@ _SPAN = sys.maxsize - _BASE
 #: tensor's bytes are a slice of it, one object made in C, where a ctypes array over
 #: each tensor made three (the array, its view, the cast) at about three times the cost.
 _MEMORY = memoryview((ctypes.c_char * _SPAN).from_address(_BASE)).cast("B")
-
-
-def _into(v: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """The bytes of view ``v``, a CPU tensor of ``dtype`` (a :attr:`Target.direct`
-    one's), when reads can go straight into them: contiguous, neither negative nor
-    conjugate (such a view holds other values than its bytes: copied into; only a
-    complex tensor can be conjugate: torch refuses the bit on others)."""
-    if v.is_contiguous() and not v.is_neg() and not (dtype.is_complex and v.is_conj()):
-        return _bytes_of(v)
-    return None
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
