@@ -128,12 +128,14 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions, f
 
 
 def _log_load(stats: LoadStats) -> None:
-    """One INFO line per load (rank 0's figures), a DEBUG line per rank."""
-    rate = human(stats.throughput) + "/s"
-    phases = ", ".join(f"{k} {v:.3f}s" for k, v in stats.phases.items())
-    if stats.rank == 0:
-        _LOG.info("loaded %s: %s read by rank 0 in %.3fs (%s)", stats.path, human(stats.bytes_read), stats.wall_s, rate)
-    _LOG.debug("load of %s, rank %d: %s read; %s", stats.path, stats.rank, human(stats.bytes_read), phases)
+    """One INFO line per load (rank 0's figures), a DEBUG line per rank; their figures
+    are formatted only when a handler would take the line."""
+    if stats.rank == 0 and _LOG.isEnabledFor(logging.INFO):
+        _LOG.info("loaded %s: %s read by rank 0 in %.3fs (%s/s)", stats.path, human(stats.bytes_read), stats.wall_s,
+                  human(stats.throughput))
+    if _LOG.isEnabledFor(logging.DEBUG):
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in stats.phases.items())
+        _LOG.debug("load of %s, rank %d: %s read; %s", stats.path, stats.rank, human(stats.bytes_read), phases)
 
 
 @gc_paused()

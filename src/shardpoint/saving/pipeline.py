@@ -169,15 +169,17 @@ class _Clock:
 
 
 def _log_save(stats: SaveStats, what: str) -> None:
-    """One INFO line per save (rank 0: the whole checkpoint), a DEBUG line per rank."""
-    phases = ", ".join(f"{k} {v:.3f}s" for k, v in stats.phases.items())
-    if stats.rank == 0 and stats.checkpoint_bytes is not None:
+    """One INFO line per save (rank 0: the whole checkpoint), a DEBUG line per rank;
+    their figures are formatted only when a handler would take the line."""
+    if stats.rank == 0 and stats.checkpoint_bytes is not None and _LOG.isEnabledFor(logging.INFO):
         rate = human(stats.checkpoint_bytes / stats.wall_s) + "/s" if stats.wall_s > 0 else "-"
         ref = f", {human(stats.bytes_referenced)} referenced by rank 0" if stats.bytes_referenced else ""
         _LOG.info("%s committed %s: %s from %d rank(s) in %.3fs (%s); the caller waited %.3fs%s",
                   what, stats.path, human(stats.checkpoint_bytes), stats.world_size, stats.wall_s, rate, stats.stall_s, ref)
-    _LOG.debug("%s, rank %d: %s written, %s referenced; %s", what, stats.rank, human(stats.bytes_written),
-               human(stats.bytes_referenced), phases)
+    if _LOG.isEnabledFor(logging.DEBUG):
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in stats.phases.items())
+        _LOG.debug("%s, rank %d: %s written, %s referenced; %s", what, stats.rank, human(stats.bytes_written),
+                   human(stats.bytes_referenced), phases)
 
 
 def _write(storage: Storage, fname: str, staged: Staged, incremental: Session | None,
