@@ -664,7 +664,15 @@ class Comm:
         order; None on the other ranks, which receive nothing. Sizes travel first (one
         int64 per rank, gathered), then each payload point-to-point at its own size, so
         the coordinator receives the sum of the payloads, never the largest times the
-        world."""
+        world.
+
+        The point-to-point sends are also what tells the coordinator that a rank left
+        before the verdict: a send completes only when its receiver takes it, while a
+        gather's bytes arrive before the coordinator asks for them. Payloads carried in
+        the gather itself (tried in 2026-11: half the time of an agreement) let rank 0
+        commit a save on the vote of a rank that had exited and reported the save not
+        committed (``tests/distributed/test_channel.py``,
+        ``test_exit_while_a_peer_holds_the_save_ends_cleanly``)."""
         if self._alone():
             return [obj]
         data = _encode(obj) if self.rank != 0 else b""  # rank 0 keeps its own object: never encoded
