@@ -19,7 +19,7 @@ still reads an older unsealed form accepts that form only when the (unflipped)
 body says it is that older form, which a sealed body never does (a sealed
 manifest says ``"version":2``; see :meth:`shardpoint.format.manifest.Manifest.parse`).
 
-:func:`seal` and :func:`unseal` are the whole API; any metadata object the
+:func:`seal` and :func:`unseal` (or :func:`check_seal`) are the whole API; any metadata object the
 format adds (a manifest, the manager's ``latest`` pointer, per-file indexes)
 seals itself with them.
 """
@@ -30,7 +30,7 @@ import hashlib
 
 from ..errors import CorruptCheckpointError, UsageError
 
-__all__ = ["ALGORITHM", "SEAL_HEADER_LEN", "is_sealed", "seal", "unseal"]
+__all__ = ["ALGORITHM", "SEAL_HEADER_LEN", "check_seal", "is_sealed", "seal", "unseal"]
 
 #: The digest algorithm, as named in the seal.
 ALGORITHM = "sha256"
@@ -56,7 +56,8 @@ def is_sealed(data: bytes) -> bool:
 
 
 def unseal(data: bytes, where: str, *, fix: str = "") -> bytes:
-    """The body of the sealed document ``data``, after checking its seal.
+    """The body of the sealed document ``data``, after checking its seal
+    (:func:`check_seal`).
 
     Args:
         data: the document's bytes as read.
@@ -69,19 +70,28 @@ def unseal(data: bytes, where: str, *, fix: str = "") -> bytes:
             nothing in it may be used).
     """
     data = bytes(data)
+    check_seal(data, where, fix=fix)
+    return b"{" + data[SEAL_HEADER_LEN:]
+
+
+def check_seal(data: bytes, where: str, *, fix: str = "") -> None:
+    """Check the seal of the sealed document ``data`` (raises as :func:`unseal`),
+    hashing its body where it lies, with no copy of it. A sealed document is itself
+    valid JSON, so a reader that checked the seal may decode ``data`` whole (its
+    ``seal`` member is one field more) instead of the body :func:`unseal` makes."""
     tail = f" {fix}" if fix else ""
     if not is_sealed(data):
         raise CorruptCheckpointError(
             f"{where}: has no valid seal (it must start with {_PREFIX.decode()!r}): the file is damaged or was not "
             f"written by shardpoint.{tail}"
         )
-    hexd = data[len(_PREFIX) : len(_PREFIX) + _HEX_LEN]
+    hexd = bytes(data[len(_PREFIX) : len(_PREFIX) + _HEX_LEN])
     if len(hexd) != _HEX_LEN or not _HEX.issuperset(hexd) or data[len(_PREFIX) + _HEX_LEN : SEAL_HEADER_LEN] != b'",':
         raise CorruptCheckpointError(f"{where}: its seal is malformed (not 64 hex digits and '\",'): the file is damaged.{tail}")
-    body = b"{" + data[SEAL_HEADER_LEN:]
-    if hashlib.sha256(body).hexdigest().encode() != hexd:
+    h = hashlib.sha256(b"{")
+    h.update(memoryview(data)[SEAL_HEADER_LEN:])
+    if h.hexdigest().encode() != hexd:
         raise CorruptCheckpointError(
             f"{where}: checksum mismatch: its SHA-256 differs from the one sealed into it when it was written, so the "
             f"file is damaged (a flipped bit, a torn copy) and nothing in it was used.{tail}"
         )
-    return body

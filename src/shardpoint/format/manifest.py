@@ -32,7 +32,7 @@ from ..runtime import PROCESS
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
-from .digest import is_sealed, seal, unseal
+from .digest import check_seal, is_sealed, seal, unseal
 from .index import is_count
 from .model import ContainerType, DataFile, Document, Entry, PerRankEntry, TensorEntry, TreeDoc, ValueEntry
 from .names import check_name
@@ -273,7 +273,9 @@ class Manifest:
         can never downgrade a manifest to the unchecked path."""
         data = bytes(data)
         sealed = is_sealed(data)
-        body = unseal(data, where, fix=DAMAGED_FIX) if sealed else data
+        if sealed:  # its seal checked where it lies; then the sealed document is decoded whole (a JSON object too)
+            check_seal(data, where, fix=DAMAGED_FIX)
+        body = data
 
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")

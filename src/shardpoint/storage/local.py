@@ -245,11 +245,15 @@ class LocalStorage(Storage):
                 out[f if rel == "." else f"{rel}/{f}"] = size
         return out
 
-    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytearray:
+    def read(self, name: str, offset: int = 0, length: int | None = None) -> bytes | bytearray:
+        """A whole file (``length`` None: a manifest, an index, a pointer) as ``bytes``,
+        read into a new bytes object without zeroing it first; a range as a writable
+        ``bytearray``."""
         path = self._path(name)
         fd, owned = self._acquire(path)
         try:
             size = os.fstat(fd).st_size
+            whole = length is None
             if length is None:
                 length = max(size - offset, 0)
             if offset + length > size:
@@ -257,6 +261,10 @@ class LocalStorage(Storage):
                     f"data file {path} is truncated: wanted bytes {offset}..{offset + length}, the file has {size}; "
                     "the checkpoint is damaged (restore the file or use another checkpoint)"
                 )
+            if whole:
+                data = os.pread(fd, length, offset)
+                if len(data) == length:
+                    return data
             buf = bytearray(length)
             view = memoryview(buf)
             got = 0
