@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Collection
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -188,7 +189,7 @@ def _check_patterns(select: Selection, keys: Collection[str]) -> None:
                                  "whole /-separated segments: 'model' matches 'model/w', never 'model_ema/w')")
 
 
-def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: Selection, held: set[str]) -> None:
+def _refuse_strangers(top: TreeLoad, manifest: Manifest, select: Selection, held: AbstractSet[str]) -> None:
     """``strict``: checkpoint keys that no rank holds, inside a part of an owner the state
     holds (its model or optimizer: a model with fewer layers than the checkpoint's), are
     refused before anything is modified, as ``load_state_dict(strict=True)`` refuses
@@ -247,10 +248,11 @@ def _held_anywhere(everyone: list[Any], storage: Storage) -> str:
     return held.hex()
 
 
-def _keys_of(held: str, manifest: Manifest) -> set[str]:
-    """The checkpoint keys a merged bitmap of :func:`_held_anywhere` names."""
+def _keys_of(held: str, manifest: Manifest) -> AbstractSet[str]:
+    """The checkpoint keys a merged bitmap of :func:`_held_anywhere` names (all of
+    them: the manifest's keys themselves, no set made)."""
     if held == "":
-        return set(manifest.tree.entries)
+        return manifest.tree.entries.keys()
     names = sorted(manifest.tree.entries)
     bits = bytes.fromhex(held)
     return {k for i, k in enumerate(names) if bits[i >> 3] >> (i & 7) & 1}
@@ -295,7 +297,7 @@ class _Planned:
 
 
 def _plan_rest(top: TreeLoad, manifest: Manifest, select: Selection, report: LoadReport, options: LoadOptions,
-               held: set[str], rank: int, ahead: _Ahead) -> _Planned:
+               held: AbstractSet[str], rank: int, ahead: _Ahead) -> _Planned:
     """Add the created keys and per-rank values to this rank's planned reads (then
     read them verified and place every value; Stateful objects get ``load_state_dict``)."""
     if ahead.error is not None:

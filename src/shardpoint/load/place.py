@@ -101,7 +101,7 @@ class TreeLoad:
     report: LoadReport
     values: dict[str, object] = field(default_factory=dict)  # key -> decoded value to assign
     pending: dict[str, list[tuple[str | int, object]]] = field(default_factory=dict)  # container key -> [(seg, value)]
-    touched: set[str] = field(default_factory=set)
+    touched: set[str] = field(default_factory=set)  # the keys loaded or created below a Stateful object (and others)
     rank: int = 0
     per_rank: bool = False  # a per-rank value's tree (its chunks are named apart in the data files)
     targets: list[Target] = field(default_factory=list)  # this rank's tensors the checkpoint holds: what it reads
@@ -190,7 +190,8 @@ class TreeLoad:
         loaded = [t.spec.key for t in self.targets]
         r.loaded += loaded
         r.loaded += found.values
-        self.touched.update(loaded, found.values)
+        if self.walk.stateful:  # only a Stateful object's fill asks what was touched below it
+            self.touched.update(loaded, found.values)
 
     def plan_created(self, reads: Collect, held: Callable[[str], bool], create: bool) -> None:
         """Decide what to create: the checkpoint's keys that no rank holds (``held``)
