@@ -101,7 +101,7 @@ class TreeLoad:
     report: LoadReport
     values: dict[str, object] = field(default_factory=dict)  # key -> decoded value to assign
     pending: dict[str, list[tuple[str | int, object]]] = field(default_factory=dict)  # container key -> [(seg, value)]
-    touched: set[str] = field(default_factory=set)  # the keys loaded or created below a Stateful object (and others)
+    touched: set[str] = field(default_factory=set)  # keys created, and loaded where the walk met a Stateful object (fill)
     rank: int = 0
     per_rank: bool = False  # a per-rank value's tree (its chunks are named apart in the data files)
     targets: list[Target] = field(default_factory=list)  # this rank's tensors the checkpoint holds: what it reads
