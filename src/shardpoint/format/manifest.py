@@ -275,7 +275,6 @@ class Manifest:
         sealed = is_sealed(data)
         if sealed:  # its seal checked where it lies; then the sealed document is decoded whole (a JSON object too)
             check_seal(data, where, fix=DAMAGED_FIX)
-        body = data
 
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
@@ -283,9 +282,9 @@ class Manifest:
         try:
             # in C: strict UTF-8 JSON (no NaN/Infinity literals, no number beyond a double), every
             # field's type and range, each entry's kind (docs/format.md); what no schema says, below
-            doc = _DOC.decode(body)
+            doc = _DOC.decode(data)
         except msgspec.ValidationError as e:
-            raise _explain(body, e, sealed, where, bad) from None
+            raise _explain(data, e, sealed, where, bad) from None
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             raise bad(f"not valid JSON ({e})") from None
         _check_head(doc.format, doc.version, doc.seal is not None, sealed, where, bad)
@@ -383,13 +382,13 @@ def _check_head(fmt: object, version: object, has_seal: bool, sealed: bool, wher
         )
 
 
-def _explain(body: bytes, err: msgspec.ValidationError, sealed: bool, where: str, bad: _Bad) -> CorruptCheckpointError:
+def _explain(data: bytes, err: msgspec.ValidationError, sealed: bool, where: str, bad: _Bad) -> CorruptCheckpointError:
     """The error for a manifest the typed decoder refused, naming the field as the
     hand-written checks did (``entry 'x': shape[1]: Expected `int`, got `str```): the
     document is decoded again untyped, its head checked first (a manifest of a newer
     version is reported as that), then each part decoded alone to find the key."""
     try:
-        raw = _JSON.decode(body)
+        raw = _JSON.decode(data)
     except (msgspec.DecodeError, ValueError, RecursionError) as e:
         return bad(f"not valid JSON ({e})")
     if not isinstance(raw, dict):
