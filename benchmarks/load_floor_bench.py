@@ -163,9 +163,10 @@ def main() -> int:
         print(f"- {r['world']} rank(s): locate {r['sp_locate'] * 1e3:.1f} ms, read {r['sp_read'] * 1e3:.1f} ms "
               f"({(r['sp_read'] - r['floor_crc']) * 1e3:+.1f} ms against floor + CRC)")
     print("\ngoal (issue 34): shardpoint / floor <= 1.15x on 1 rank and <= 1.3x on 2 (4 ranks reported). floor: "
-          "readinto a preallocated buffer, each file's bytes 64-byte aligned as in the file; floor + CRC: the same with a CRC-32 of each 256 KiB piece (DCP verifies "
-          "nothing); unaligned floor: into a bytearray, the floor measured until 2026-11-25, whose first byte lies 16 "
-          "bytes past a 64-byte boundary (the kernel's copy into it is slower)")
+          "readinto a preallocated buffer, each file's bytes 64-byte aligned as in the file; floor + CRC: the same "
+          "with a CRC-32 of each 256 KiB piece (DCP verifies nothing); unaligned floor: into a bytearray, the floor "
+          "measured until 2026-11-25, whose first byte lies 16 bytes past a 64-byte boundary (the kernel's copy into "
+          "it is slower)")
     return 0
 
 
