@@ -32,7 +32,7 @@ from ..runtime import PROCESS
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
-from .digest import check_seal, is_sealed, seal, unseal
+from .digest import check_seal, is_sealed, seal
 from .index import is_count
 from .model import ContainerType, DataFile, Document, Entry, PerRankEntry, TensorEntry, TreeDoc, ValueEntry
 from .names import check_name
@@ -343,7 +343,8 @@ def replaced_files(data: bytes, where: str = MANIFEST_NAME) -> tuple[str, list[s
     if not is_sealed(data):
         return None
     try:
-        doc = _REPLACED.decode(unseal(data, where, fix=DAMAGED_FIX))
+        check_seal(data, where, fix=DAMAGED_FIX)  # then decoded whole, as Manifest.parse does (the seal is skipped)
+        doc = _REPLACED.decode(data)
         if doc.format != FORMAT_NAME or doc.version < 2:
             return None
         out = [check_name(name) for name in doc.files]
