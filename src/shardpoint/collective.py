@@ -61,6 +61,11 @@ _POLL = timedelta(seconds=0.25)
 #: carries (an agreement's verdict and a small payload: one collective, not two).
 INLINE = 512
 
+#: Bytes of each rank's payload that the gather or scatter of an exchange with
+#: ``rendezvous=False`` carries (:meth:`Comm.gather_json`): an agreement's verdict and a
+#: small payload whole (a load's key agreement sends about 50).
+HEAD = 120
+
 _CLOSED = "the process is exiting: shardpoint's checkpoint collectives are closed"
 
 
@@ -659,7 +664,7 @@ class Comm:
         return finish
 
     # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
-    def gather_json(self, obj: object) -> list[Any] | None:
+    def gather_json(self, obj: object, *, rendezvous: bool = True) -> list[Any] | None:
         """Every rank's ``obj`` (JSON-serialisable) on rank 0 of the group, in rank
         order; None on the other ranks, which receive nothing. Sizes travel first (one
         int64 per rank, gathered), then each payload point-to-point at its own size, so
@@ -669,15 +674,23 @@ class Comm:
         The point-to-point sends are also what tells the coordinator that a rank left
         before the verdict: a send completes only when its receiver takes it, while a
         gather's bytes arrive before the coordinator asks for them. Payloads carried in
-        the gather itself (tried in 2026-11: half the time of an agreement) let rank 0
-        commit a save on the vote of a rank that had exited and reported the save not
-        committed (``tests/distributed/test_channel.py``,
-        ``test_exit_while_a_peer_holds_the_save_ends_cleanly``)."""
+        the gather itself let rank 0 commit a save on the vote of a rank that had
+        exited and reported the save not committed (``tests/distributed/test_channel.py``,
+        ``test_exit_while_a_peer_holds_the_save_ends_cleanly``).
+
+        ``rendezvous=False`` carries them so all the same, for an exchange that no
+        commit follows (a load's agreements): each rank's size and its first
+        :data:`HEAD` bytes in the one gather (what is longer follows point to point),
+        one collective where there were two, about half an agreement's time (0.88 to
+        0.42 ms at best on 2 ranks, ``benchmarks/README.md``). Rank 0 then receives
+        :data:`HEAD` bytes more per rank; the others receive nothing either way."""
         if self._alone():
             return [obj]
+        root = self.ranks[0]
+        if not rendezvous:
+            return self._gather_inline(obj, root)
         data = _encode(obj) if self.rank != 0 else b""  # rank 0 keeps its own object: never encoded
         size = torch.tensor([len(data)], dtype=torch.int64)
-        root = self.ranks[0]
         if self.rank != 0:
             self._run(self._td.gather, size, None, dst=root)
             if data:
@@ -688,39 +701,76 @@ class Comm:
         self._run(self._td.gather, size, sizes, dst=root)
         ns = [int(s.item()) for s in sizes]
         bufs = [torch.empty(n, dtype=torch.uint8) for n in ns]
-
-        def recv_all(group: ProcessGroup | None) -> None:
-            works = [self._td.irecv(bufs[r], src=self.ranks[r], group=group) for r in range(1, self.world) if ns[r]]
-            for w in works:
-                w.wait()
-
-        self._run(recv_all)
+        self._run(self._recv_all, bufs, ns)
         PROCESS.seams.traffic.add(8 * self.world + sum(ns[1:]))
         return [obj] + [json.loads(bytes(b.numpy())) for b in bufs[1:]]
 
-    def scatter_json(self, objs: list[object] | None) -> Any:
+    def _gather_inline(self, obj: object, root: int) -> list[Any] | None:
+        """:meth:`gather_json` with ``rendezvous=False``."""
+        if self.rank != 0:
+            data = _encode(obj)
+            self._run(self._td.gather, _inline(data), None, dst=root)
+            if len(data) > HEAD:
+                self._run(self._td.send, _as_tensor(data[HEAD:]), dst=root)
+            PROCESS.seams.traffic.ops += 1
+            return None
+        heads = [torch.empty(8 + HEAD, dtype=torch.uint8) for _ in range(self.world)]
+        self._run(self._td.gather, torch.zeros(8 + HEAD, dtype=torch.uint8), heads, dst=root)
+        raw = [bytes(h.numpy()) for h in heads]
+        ns = [max(0, int.from_bytes(r[:8], "little") - HEAD) for r in raw]
+        ns[0] = 0  # rank 0's own object is not in the exchange
+        bufs = [torch.empty(n, dtype=torch.uint8) for n in ns]
+        if any(ns):
+            self._run(self._recv_all, bufs, ns)
+        PROCESS.seams.traffic.add((8 + HEAD) * self.world + sum(ns))
+        return [obj] + [_joined(raw[r], bufs[r]) for r in range(1, self.world)]
+
+    def _recv_all(self, bufs: list[torch.Tensor], ns: list[int], group: ProcessGroup | None) -> None:
+        """Rank 0: receive ``bufs[r]`` from each rank ``r`` > 0 whose ``ns[r]`` is not 0, at once."""
+        works = [self._td.irecv(bufs[r], src=self.ranks[r], group=group) for r in range(1, self.world) if ns[r]]
+        for w in works:
+            w.wait()
+
+    def _send_all(self, datas: list[bytes], group: ProcessGroup | None) -> None:
+        """Rank 0: send ``datas[r]`` to each rank ``r`` > 0 where it is not empty, at once."""
+        works = [self._td.isend(_as_tensor(datas[r]), dst=self.ranks[r], group=group)
+                 for r in range(1, self.world) if datas[r]]
+        for w in works:
+            w.wait()
+
+    def scatter_json(self, objs: list[object] | None, *, rendezvous: bool = True) -> Any:
         """Rank 0 gives ``objs[r]`` to rank ``r`` (``objs`` is ignored elsewhere); each
-        rank receives only its own object (its size, then its bytes)."""
+        rank receives only its own object (its size, then its bytes; with
+        ``rendezvous=False``, its size and first :data:`HEAD` bytes in the scatter,
+        the rest after it: see :meth:`gather_json`)."""
         if self._alone():
             assert objs is not None
             return objs[0]
         root = self.ranks[0]
-        size = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
             assert objs is not None and len(objs) == self.world
             datas = [b""] + [_encode(o) for o in objs[1:]]  # rank 0 keeps its own object: never encoded
-            sizes = [torch.tensor([len(d)], dtype=torch.int64) for d in datas]
-            self._run(self._td.scatter, size, sizes, src=root)
-
-            def send_all(group: ProcessGroup | None) -> None:
-                works = [self._td.isend(_as_tensor(datas[r]), dst=self.ranks[r], group=group)
-                         for r in range(1, self.world) if datas[r]]
-                for w in works:
-                    w.wait()
-
-            self._run(send_all)
+            if rendezvous:
+                sizes = [torch.tensor([len(d)], dtype=torch.int64) for d in datas]
+                self._run(self._td.scatter, torch.zeros(1, dtype=torch.int64), sizes, src=root)
+            else:
+                self._run(self._td.scatter, torch.zeros(8 + HEAD, dtype=torch.uint8), [_inline(d) for d in datas],
+                          src=root)
+                datas = [d[HEAD:] for d in datas]
+            if any(datas):
+                self._run(self._send_all, datas)
             PROCESS.seams.traffic.ops += 1
             return objs[0]
+        if not rendezvous:
+            head = torch.empty(8 + HEAD, dtype=torch.uint8)
+            self._run(self._td.scatter, head, None, src=root)
+            raw = bytes(head.numpy())
+            rest = torch.empty(max(0, int.from_bytes(raw[:8], "little") - HEAD), dtype=torch.uint8)
+            if rest.numel():
+                self._run(self._td.recv, rest, src=root)
+            PROCESS.seams.traffic.add(8 + HEAD + rest.numel())
+            return _joined(raw, rest)
+        size = torch.zeros(1, dtype=torch.int64)
         self._run(self._td.scatter, size, None, src=root)
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8)
@@ -874,6 +924,22 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+def _inline(data: bytes) -> torch.Tensor:
+    """The first part of a payload sent with ``rendezvous=False``: its size (8 bytes,
+    little-endian), then its first :data:`HEAD` bytes (zero-padded)."""
+    out = bytearray(8 + HEAD)
+    out[:8] = len(data).to_bytes(8, "little")
+    head = data[:HEAD]
+    out[8 : 8 + len(head)] = head
+    return torch.frombuffer(out, dtype=torch.uint8)
+
+
+def _joined(raw: bytes, rest: torch.Tensor) -> Any:
+    """The object whose :func:`_inline` part is ``raw`` and whose remainder is ``rest``."""
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + min(n, HEAD)] + bytes(rest.numpy()) if n > HEAD else raw[8 : 8 + n])
+
+
 class _Failure(TypedDict, total=False):
     """A failed rank's record in a collective call's exchange (JSON)."""
 
@@ -916,7 +982,7 @@ def _raise_failed(comm: Comm, failed: list[tuple[int, _Failure]], error: BaseExc
 
 def coordinate(comm: Comm, payload: object, error: BaseException | None,
                decide: Callable[[list[Any]], Sequence[object]],
-               explain: Callable[[], BaseException | None] | None = None) -> Any:
+               explain: Callable[[], BaseException | None] | None = None, *, rendezvous: bool = True) -> Any:
     """One round of the coordinator pattern: every rank's ``payload`` (or the error it
     hit) goes to rank 0, which calls ``decide(payloads) -> replies`` (one reply per
     rank) and sends each rank only its own reply. If any rank failed, or ``decide``
@@ -928,13 +994,17 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
     those failures (a newer attempt took the root, and its retention removed the files
     being written), raised on every rank in their place; None keeps them.
 
+    ``rendezvous=False``: the payloads and replies travel inside the gather and the
+    scatter (:meth:`Comm.gather_json`), half the collectives; only for a round that no
+    commit follows, since rank 0 may then decide on the vote of a rank that has left.
+
     Returns:
         This rank's reply.
     """
     mine = {"ok": True, "payload": payload} if error is None else _failure(error)
     own: BaseException | None = error
     try:
-        everyone = comm.gather_json(mine)
+        everyone = comm.gather_json(mine, rendezvous=rendezvous)
         replies: list[object] | None = None
         if everyone is not None:  # the coordinator
             failed = [(r, e) for r, e in enumerate(everyone) if not e["ok"]]
@@ -953,7 +1023,7 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
                 except Exception as ex:  # noqa: BLE001 - fanned out to every rank
                     own = ex
                     replies = [{**_failure(ex), "rank": 0, "failed": [0]}] * comm.world
-        reply = comm.scatter_json(replies)
+        reply = comm.scatter_json(replies, rendezvous=rendezvous)
     except CollectiveMismatchError as lost:
         if own is None:
             raise
@@ -969,13 +1039,14 @@ def coordinate(comm: Comm, payload: object, error: BaseException | None,
 
 
 def agree(comm: Comm, payload: object, error: BaseException | None,
-          merge: Callable[[list[Any]], Any] | None = None) -> Any:
+          merge: Callable[[list[Any]], Any] | None = None, *, rendezvous: bool = True) -> Any:
     """Each rank's ``payload`` or error to rank 0; if any rank failed, raise on every
     rank (the failing rank re-raises its own exception); else every rank gets
     ``merge(payloads)``, computed once on rank 0 (None without ``merge``; an error
     ``merge`` raises is raised on every rank). A non-coordinator rank sends its payload
-    and receives the merged result, whatever the world size (:func:`coordinate`)."""
-    return coordinate(comm, payload, error, _merged(comm, merge))
+    and receives the merged result, whatever the world size (:func:`coordinate`;
+    ``rendezvous=False`` for an agreement that no commit follows, as there)."""
+    return coordinate(comm, payload, error, _merged(comm, merge), rendezvous=rendezvous)
 
 
 def _merged(comm: Comm, merge: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], list[Any]]:

@@ -92,7 +92,8 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions, f
     ahead = None
     if err is None and top is not None and found is not None and manifest is not None:
         ahead = _plan_ahead(top, found, manifest, storage)
-    merged = agree(comm, holds, err, functools.partial(_held_anywhere, storage=storage))
+    # (both agreements of a load carry their payloads in the gather and the scatter: no commit follows them)
+    merged = agree(comm, holds, err, functools.partial(_held_anywhere, storage=storage), rendezvous=False)
     assert top is not None and manifest is not None and ahead is not None
     held = _keys_of(merged, manifest)
     t1 = time.perf_counter()
@@ -117,7 +118,7 @@ def load_state(comm: Comm, storage: Storage, state: Any, options: LoadOptions, f
         err = None
     except Exception as e:  # noqa: BLE001
         err = e
-    agree(comm, None, err)
+    agree(comm, None, err, rendezvous=False)
     t2 = time.perf_counter()
     # 4. only once every rank succeeded: the owners' collective follow-up (DeepSpeed's weight refresh)
     hooks.loaded()
