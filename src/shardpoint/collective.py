@@ -294,13 +294,22 @@ class Comm:
         of the release key, an add to the exit counter; the rank that arrives last
         also reads the mismatch counter and writes the release key, and the rank
         that leaves last deletes the call's keys. Nothing else unless the call
-        fails."""
+        fails; none in a group of one rank (it waits only for its save in flight)."""
         if self.store is None:
             _solo().settle()
             return
         ch = self.channel
         assert ch is not None
         ch.settle()
+        if self.world == 1:  # a group of one rank: no other call to meet or to disagree with, no store operation
+            if ch.closing:
+                raise ChannelClosedError(_CLOSED)
+            with PROCESS.channel_lock:
+                ch.seq += 1
+                self._seq = ch.seq
+            ch.held = None
+            ch.open()
+            return
         identity = f"{op}\0{path}" if self.arrival_tag is None else f"{op}\0{path}\0{self.arrival_tag}"
         digest = hashlib.sha1(identity.encode()).hexdigest()[:16]
         held, ch.held = ch.held, None

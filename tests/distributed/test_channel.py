@@ -239,6 +239,37 @@ def test_arrival_costs_a_constant_number_of_store_operations_per_rank() -> None:
     assert results[0]["after"] == results[0]["before"], results[0]
 
 
+def test_a_group_of_one_rank_arrives_without_the_store_and_still_waits_for_its_save(tmp_path: Path) -> None:
+    """One rank has no other call to meet: its arrival makes no store operation, and a
+    load still waits for the asynchronous save in flight (and reads what it wrote)."""
+    world = run_ranks(one_rank_case, 1, str(tmp_path), timeout=120)[0]
+    assert world["ops"] == {}, world["ops"]
+    assert world["loaded"] == 7.0 and world["save_done_before_load"], world
+
+
+def one_rank_case(rank: int, world: int, tmp: str) -> dict:
+    import shardpoint
+    from shardpoint.collective import Comm
+    from shardpoint.runtime import PROCESS
+
+    comm = Comm()
+    counting = CountingStore(comm.store)
+    comm.store = counting  # type: ignore[assignment]
+    comm.arrive("save", "/ckpt/0")
+    comm.arrive("load", "/ckpt/0")
+    done = []
+    PROCESS.seams.phase = lambda phase: (time.sleep(1.0), done.append(phase)) if phase == "written" else None
+    mgr = shardpoint.CheckpointManager(f"{tmp}/root")
+    mgr.save({"w": torch.full((4,), 7.0)}, 1, blocking=False)
+    target = {"w": torch.zeros(4)}
+    saved_before = bool(done)  # the save is still in flight here
+    mgr.restore(target)
+    PROCESS.seams.phase = None
+    mgr.close()
+    return {"ops": dict(counting.calls), "loaded": float(target["w"][0]),
+            "save_done_before_load": bool(done) and not saved_before}
+
+
 _STUCK_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist, shardpoint
     from datetime import timedelta
