@@ -690,9 +690,10 @@ class Comm:
         ``rendezvous=False`` carries them so all the same, for an exchange that no
         commit follows (a load's agreements): each rank's size and its first
         :data:`HEAD` bytes in the one gather (what is longer follows point to point),
-        one collective where there were two, about half an agreement's time (0.88 to
-        0.42 ms at best on 2 ranks, ``benchmarks/README.md``). Rank 0 then receives
-        :data:`HEAD` bytes more per rank; the others receive nothing either way."""
+        one collective where there were two: an agreement on 2 ranks took 0.33 ms at
+        best and 0.55 at the median against 0.54 and 0.86 (``benchmarks/agree_bench.py``).
+        Rank 0 then receives :data:`HEAD` bytes more per rank; the others receive
+        nothing either way."""
         if self._alone():
             return [obj]
         root = self.ranks[0]
