@@ -57,10 +57,6 @@ _ABORT = 1 << 40
 #: collective completes; the slices only bound how late a closed channel is seen).
 _POLL = timedelta(seconds=0.25)
 
-#: Bytes of each rank's payload that the first all-gather of :meth:`Comm.all_gather_json`
-#: carries (an agreement's verdict and a small payload: one collective, not two).
-INLINE = 512
-
 #: Bytes of each rank's payload that the gather or scatter of an exchange with
 #: ``rendezvous=False`` carries (:meth:`Comm.gather_json`): an agreement's verdict and a
 #: small payload whole (a load's key agreement sends about 50).
@@ -631,47 +627,6 @@ class Comm:
         assert self.dist is not None
         return self.dist
 
-    def all_gather_json(self, obj: object) -> list[Any]:
-        """Every rank's ``obj`` (JSON-serialisable), in rank order. One all-gather of
-        :data:`INLINE` bytes per rank (each payload's size and its first bytes) carries
-        the small payloads of most calls whole; a second one of the largest payload's
-        remainder follows only when some rank's payload is longer."""
-        return self.start_all_gather_json(obj)()
-
-    def start_all_gather_json(self, obj: object) -> Callable[[], list[Any]]:
-        """:meth:`all_gather_json`, started: returns the wait for its result, so that
-        the caller can do local work while the ranks exchange."""
-        if self._alone():
-            return lambda: [obj]
-        data = json.dumps(obj, separators=(",", ":")).encode()
-        first = bytearray(8 + INLINE)
-        first[:8] = len(data).to_bytes(8, "little")
-        head = data[:INLINE]
-        first[8 : 8 + len(head)] = head
-        outs = [torch.empty(8 + INLINE, dtype=torch.uint8) for _ in range(self.world)]
-        wait = self._start(self._td.all_gather, outs, torch.frombuffer(first, dtype=torch.uint8))
-
-        def finish() -> list[Any]:
-            wait()
-            raw = [bytes(o.numpy()) for o in outs]
-            sizes = [int.from_bytes(r[:8], "little") for r in raw]
-            big = max(sizes)
-            traffic = (8 + INLINE) * self.world
-            rest: list[bytes] = []
-            if big > INLINE:
-                extra = bytearray(big - INLINE)
-                tail = data[INLINE:]
-                extra[: len(tail)] = tail
-                more = [torch.empty(big - INLINE, dtype=torch.uint8) for _ in range(self.world)]
-                self._run(self._td.all_gather, more, torch.frombuffer(extra, dtype=torch.uint8))
-                rest = [bytes(o.numpy()) for o in more]
-                traffic += (big - INLINE) * self.world
-            PROCESS.seams.traffic.add(traffic)
-            return [json.loads(r[8 : 8 + min(n, INLINE)] + (rest[i][: n - INLINE] if n > INLINE else b""))
-                    for i, (r, n) in enumerate(zip(raw, sizes))]
-
-        return finish
-
     # -- the coordinator pattern: rank 0 receives, plans, and answers each rank ----------
     def gather_json(self, obj: object, *, rendezvous: bool = True) -> list[Any] | None:
         """Every rank's ``obj`` (JSON-serialisable) on rank 0 of the group, in rank
@@ -733,7 +688,7 @@ class Comm:
         if any(ns):
             self._run(self._recv_all, bufs, ns)
         PROCESS.seams.traffic.add((8 + HEAD) * self.world + sum(ns))
-        return [obj] + [_joined(raw[r], bufs[r]) for r in range(1, self.world)]
+        return [obj] + [_joined(raw[r], bytes(bufs[r].numpy())) for r in range(1, self.world)]
 
     def _recv_all(self, bufs: list[torch.Tensor], ns: list[int], group: ProcessGroup | None) -> None:
         """Rank 0: receive ``bufs[r]`` from each rank ``r`` > 0 whose ``ns[r]`` is not 0, at once."""
@@ -779,7 +734,7 @@ class Comm:
             if rest.numel():
                 self._run(self._td.recv, rest, src=root)
             PROCESS.seams.traffic.add(8 + HEAD + rest.numel())
-            return _joined(raw, rest)
+            return _joined(raw, bytes(rest.numpy()))
         size = torch.zeros(1, dtype=torch.int64)
         self._run(self._td.scatter, size, None, src=root)
         n = int(size.item())
@@ -935,19 +890,21 @@ def _as_tensor(data: bytes) -> torch.Tensor:
 
 
 def _inline(data: bytes) -> torch.Tensor:
-    """The first part of a payload sent with ``rendezvous=False``: its size (8 bytes,
-    little-endian), then its first :data:`HEAD` bytes (zero-padded)."""
+    """The fixed-size first part of a payload sent with ``rendezvous=False``
+    (:meth:`Comm.gather_json`): its size (8 bytes, little-endian), then its first
+    :data:`HEAD` bytes, zero-padded."""
     out = bytearray(8 + HEAD)
     out[:8] = len(data).to_bytes(8, "little")
-    head = data[:HEAD]
-    out[8 : 8 + len(head)] = head
+    first = data[:HEAD]
+    out[8 : 8 + len(first)] = first
     return torch.frombuffer(out, dtype=torch.uint8)
 
 
-def _joined(raw: bytes, rest: torch.Tensor) -> Any:
-    """The object whose :func:`_inline` part is ``raw`` and whose remainder is ``rest``."""
+def _joined(raw: bytes, rest: bytes) -> Any:
+    """The object whose :func:`_inline` part is ``raw`` and whose bytes after the
+    first :data:`HEAD` are ``rest``."""
     n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8 : 8 + min(n, HEAD)] + bytes(rest.numpy()) if n > HEAD else raw[8 : 8 + n])
+    return json.loads(raw[8 : 8 + min(n, HEAD)] + rest if n > HEAD else raw[8 : 8 + n])
 
 
 class _Failure(TypedDict, total=False):
