@@ -65,10 +65,6 @@ HEAD = 120
 _CLOSED = "the process is exiting: shardpoint's checkpoint collectives are closed"
 
 
-def _nothing() -> None:
-    """The wait of a collective that already ended."""
-
-
 def _dist() -> ModuleType | None:
     import torch.distributed as dist
 
@@ -782,21 +778,10 @@ class Comm:
         **kwargs: object,
     ) -> None:
         """One collective on a lane of the channel (every checkpoint collective goes
-        through here or :meth:`_start`). When it fails (gloo raises as soon as a
-        peer's connection closes), raise :class:`CollectiveMismatchError` naming the
-        ranks that are gone instead of gloo's own error, so that ``except
-        ShardpointError`` in a training loop sees it."""
-        self._start(collective, *args, lane=lane, **kwargs)()
-
-    def _start(
-        self,
-        collective: Callable[..., Any],
-        *args: object,
-        lane: str = "data",
-        **kwargs: object,
-    ) -> Callable[[], None]:
-        """Start one collective (as :meth:`_run`); returns the wait for its end, which
-        raises as :meth:`_run` does. The caller may do local work meanwhile."""
+        through here). When it fails (gloo raises as soon as a peer's connection
+        closes), raise :class:`CollectiveMismatchError` naming the ranks that are gone
+        instead of gloo's own error, so that ``except ShardpointError`` in a training
+        loop sees it."""
         ch = self.channel
         assert ch is not None
         group = self.group() if lane == "data" else ch.ctl
@@ -805,34 +790,25 @@ class Comm:
         try:
             if not _takes_async_op(collective):
                 collective(*args, group=group, **kwargs)
-                return _nothing
+                return
             work = collective(*args, group=group, async_op=True, **kwargs)
+            # wait in short slices: a thread blocked in gloo must get back to Python
+            # while the interpreter is whole, or it is killed inside torch's C++ code
+            # when it finalises (SIGABRT); the exit handler closes the channel
+            while True:
+                try:
+                    work.wait(timeout=_POLL)
+                    return
+                except Exception:  # noqa: BLE001 - "Operation timed out!" or the collective's own error
+                    if work.is_completed():
+                        work.wait()  # raises the collective's own error, if that is what it was
+                        return
+                    if ch.closing:
+                        raise ChannelClosedError(_CLOSED) from None
         except ShardpointError:
             raise
         except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
             raise self._failure(e) from e
-
-        def wait() -> None:
-            # wait in short slices: a thread blocked in gloo must get back to Python
-            # while the interpreter is whole, or it is killed inside torch's C++ code
-            # when it finalises (SIGABRT); the exit handler closes the channel
-            try:
-                while True:
-                    try:
-                        work.wait(timeout=_POLL)
-                        return
-                    except Exception:  # noqa: BLE001 - "Operation timed out!" or the collective's own error
-                        if work.is_completed():
-                            work.wait()  # raises the collective's own error, if that is what it was
-                            return
-                        if ch.closing:
-                            raise ChannelClosedError(_CLOSED) from None
-            except ShardpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - RuntimeError, DistError and its subclasses
-                raise self._failure(e) from e
-
-        return wait
 
     def _failure(self, e: BaseException) -> ShardpointError:
         """What a failed collective raises: the channel closing at exit, or the peers that are gone."""
