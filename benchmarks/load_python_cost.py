@@ -289,9 +289,10 @@ def run_worker(script: str, args: list[str], d: str, counted: bool, phases: bool
         return None
     parts = _parts(d) if counted and phases else {}
     if counted:
-        sha = _sha_share(d, phases)
-        if sha is not None:
-            parts["_sha"] = sha
+        libs = _by_library(d, phases)
+        if libs is not None:
+            parts["_sha"] = libs.get("libcrypto", 0)
+            parts.update({"_lib:" + k: v for k, v in libs.items()})
     return text, parts
 
 
@@ -301,11 +302,15 @@ def print_counts(what: str, text: str, parts: dict[str, int], n: int, phases: li
     total = _total(text, parts, n)
     parts.pop("whole", None)
     sha = parts.pop("_sha", None)
+    libs = {k.removeprefix("_lib:"): parts.pop(k) for k in [k for k in parts if k.startswith("_lib:")]}
     if total is not None:
         print(f"{what}: {total / 1e6:.2f} M instructions")
     if sha is not None:
         print(f"  of it, SHA-256 in libcrypto (manifest seal, index digests): {sha / n / 1e6:.2f} M (the software "
               f"path: valgrind's CPU has no SHA extensions; this machine's CPU {_sha_extensions()})")
+    if libs:
+        print("  by where the instructions ran (each function's own): " + ", ".join(
+            f"{_LIBS.get(k, k)} {v / n / 1e6:.2f} M" for k, v in sorted(libs.items(), key=lambda kv: -kv[1])))
     if parts:
         over = parts.pop("overhead", 0)
         for name in dict.fromkeys(name for name, _attr in phases):
@@ -325,10 +330,22 @@ def _sha_extensions() -> str:
     return "has them (sha_ni)" if " sha_ni" in flags else "lacks them too"
 
 
-def _sha_share(d: str, phases: bool) -> int | None:
-    """The instructions run in libcrypto (SHA-256: the only hashing a load or save
-    does there) in the counted run: the dump labelled "whole" with ``phases``, else
-    the final one; None without ``callgrind_annotate``."""
+#: What each library of :func:`_by_library` does in a load, as printed.
+_LIBS = {
+    "libpython": "Python (the interpreter, its objects, allocation and freeing)",
+    "msgspec": "msgspec (decoding the manifest and indexes, layout keys, Structs)",
+    "torch": "torch (its Python bindings: a tensor's attributes and methods)",
+    "libcrypto": "libcrypto (SHA-256)",
+    "libc": "libc (memory, strings)",
+    "other": "other",
+}
+
+
+def _by_library(d: str, phases: bool) -> dict[str, int] | None:
+    """The instructions of the counted run by the library they ran in (each
+    function's own cost; :data:`_LIBS`): the dump labelled "whole" with ``phases``,
+    else the final one; None without ``callgrind_annotate``. libcrypto runs only
+    SHA-256 in a load or a save."""
     if shutil.which("callgrind_annotate") is None:
         return None
     pick = None
@@ -341,11 +358,16 @@ def _sha_share(d: str, phases: bool) -> int | None:
     if pick is None:
         return None
     out = subprocess.run(["callgrind_annotate", "--threshold=100", str(pick)], capture_output=True, text=True)
-    total = 0
+    total: dict[str, int] = {}
     for line in out.stdout.splitlines():
-        m = re.match(r"\s*([\d,]+)\s.*\[[^]]*libcrypto[^]]*\]\s*$", line)
-        if m:
-            total += int(m.group(1).replace(",", ""))
+        m = re.match(r"\s*([\d,]+) .*?:\S+(?: \[([^]]*)\])?\s*$", line)
+        if m is None or "PROGRAM TOTALS" in line:
+            continue
+        obj = os.path.basename(m.group(2) or "")
+        lib = ("libcrypto" if "libcrypto" in obj else "msgspec" if "msgspec" in (m.group(2) or "") or obj.startswith("_core")
+               else "torch" if obj.startswith(("libtorch", "libc10", "_C.")) else "libc" if obj.startswith(("libc.", "libm.", "ld-linux"))
+               else "libpython" if obj.startswith("libpython") or obj == "" else "other")
+        total[lib] = total.get(lib, 0) + int(m.group(1).replace(",", ""))
     return total
 
 

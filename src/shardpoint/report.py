@@ -114,8 +114,10 @@ class LoadReport:
     stats: LoadStats | None = None
 
     def sort(self) -> LoadReport:
+        """Each list sorted, without repeats (sorted first: a list in a walk's order is
+        mostly in runs, which a sort takes as they are; a set's order has none)."""
         for name in _LISTS:
-            setattr(self, name, sorted(set(getattr(self, name))))
+            setattr(self, name, list(dict.fromkeys(sorted(getattr(self, name)))))
         return self
 
     def take(self, prefix: str) -> LoadReport:
