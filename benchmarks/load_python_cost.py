@@ -332,11 +332,13 @@ def _sha_extensions() -> str:
 
 #: What each library of :func:`_by_library` does in a load, as printed.
 _LIBS = {
-    "libpython": "Python (the interpreter, its objects, allocation and freeing)",
+    "libpython": "Python (the interpreter, its objects, allocation and freeing, its modules in C)",
+    "numpy": "numpy",
     "msgspec": "msgspec (decoding the manifest and indexes, layout keys, Structs)",
-    "torch": "torch (its Python bindings: a tensor's attributes and methods)",
+    "torch": "torch (its own code, its Python bindings included; the calls into them count as Python)",
     "libcrypto": "libcrypto (SHA-256)",
     "libc": "libc (memory, strings)",
+    "zlib": "zlib (CRC-32)",
     "other": "other",
 }
 
@@ -366,7 +368,8 @@ def _by_library(d: str, phases: bool) -> dict[str, int] | None:
         obj = os.path.basename(m.group(2) or "")
         lib = ("libcrypto" if "libcrypto" in obj else "msgspec" if "msgspec" in (m.group(2) or "") or obj.startswith("_core")
                else "torch" if obj.startswith(("libtorch", "libc10", "_C.")) else "libc" if obj.startswith(("libc.", "libm.", "ld-linux"))
-               else "libpython" if obj.startswith("libpython") or obj == "" else "other")
+               else "zlib" if obj.startswith("libz.") else "numpy" if obj.startswith(("_multiarray", "libopenblas", "libscipy"))
+               else "libpython" if obj.startswith("libpython") or obj == "" or ".cpython-" in obj else "other")
         total[lib] = total.get(lib, 0) + int(m.group(1).replace(",", ""))
     return total
 
