@@ -289,10 +289,7 @@ def run_worker(script: str, args: list[str], d: str, counted: bool, phases: bool
         return None
     parts = _parts(d) if counted and phases else {}
     if counted:
-        libs = _by_library(d, phases)
-        if libs is not None:
-            parts["_sha"] = libs.get("libcrypto", 0)
-            parts.update({"_lib:" + k: v for k, v in libs.items()})
+        parts.update({"_lib:" + k: v for k, v in (_by_library(d, phases) or {}).items()})
     return text, parts
 
 
@@ -301,8 +298,8 @@ def print_counts(what: str, text: str, parts: dict[str, int], n: int, phases: li
     ``phases`` counted (a dump's own cost taken off)."""
     total = _total(text, parts, n)
     parts.pop("whole", None)
-    sha = parts.pop("_sha", None)
     libs = {k.removeprefix("_lib:"): parts.pop(k) for k in [k for k in parts if k.startswith("_lib:")]}
+    sha = libs.get("libcrypto") if libs else None
     if total is not None:
         print(f"{what}: {total / 1e6:.2f} M instructions")
     if sha is not None:
@@ -365,13 +362,25 @@ def _by_library(d: str, phases: bool) -> dict[str, int] | None:
         m = re.match(r"\s*([\d,]+) .*?:\S+(?: \[([^]]*)\])?\s*$", line)
         if m is None or "PROGRAM TOTALS" in line:
             continue
-        obj = os.path.basename(m.group(2) or "")
-        lib = ("libcrypto" if "libcrypto" in obj else "msgspec" if "msgspec" in (m.group(2) or "") or obj.startswith("_core")
-               else "torch" if obj.startswith(("libtorch", "libc10", "_C.")) else "libc" if obj.startswith(("libc.", "libm.", "ld-linux"))
-               else "zlib" if obj.startswith("libz.") else "numpy" if obj.startswith(("_multiarray", "libopenblas", "libscipy"))
-               else "libpython" if obj.startswith("libpython") or obj == "" or ".cpython-" in obj else "other")
+        lib = _library(m.group(2) or "")
         total[lib] = total.get(lib, 0) + int(m.group(1).replace(",", ""))
     return total
+
+
+#: A shared object's library (:data:`_LIBS`) by the start of its file name; the first match counts.
+_BY_NAME = [("msgspec", ("_core.",)), ("libcrypto", ("libcrypto",)), ("torch", ("libtorch", "libc10", "_C.")),
+            ("libc", ("libc.", "libm.", "ld-linux")), ("zlib", ("libz.",)),
+            ("numpy", ("_multiarray", "libopenblas", "libscipy")), ("libpython", ("libpython",))]
+
+
+def _library(path: str) -> str:
+    """The library of :data:`_LIBS` that the shared object ``path`` belongs to (no
+    path: the python executable; another C module of Python's: Python)."""
+    name = os.path.basename(path)
+    for lib, starts in _BY_NAME:
+        if name.startswith(starts) and (lib != "msgspec" or "msgspec" in path):
+            return lib
+    return "libpython" if name == "" or ".cpython-" in name else "other"
 
 
 def _parts(d: str) -> dict[str, int]:
