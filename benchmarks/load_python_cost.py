@@ -119,26 +119,24 @@ def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
     module's docstring): no check, no error, no report; the reads stubbed out as in
     the counted loads. Knows only this checkpoint's layouts (split along dim 0 by the
     saving ranks, or one scalar), and raises on any other."""
-    import hashlib
-
     import torch
     from torch.distributed.tensor import DTensor
 
-    from shardpoint.format.digest import SEAL_HEADER_LEN
+    from shardpoint.format.digest import check_seal, digest_matches
     from shardpoint.format.index import _PLAIN
     from shardpoint.format.manifest import _DOC
     from shardpoint.load.read import _bytes_of
 
     with open(os.path.join(path, "manifest.json"), "rb") as f:
-        body = b"{" + f.read()[SEAL_HEADER_LEN:]
-    hashlib.sha256(body).hexdigest()
+        body = f.read()
+    check_seal(body, "manifest.json")  # its digest (the seal's algorithm) over the body
     doc = _DOC.decode(body)
     chunks = {}
     for info in doc.files.values():
         assert info.index is not None and info.rank is not None
         with open(os.path.join(path, info.index.name), "rb") as f:
             data = f.read()
-        hashlib.sha256(data).hexdigest()
+        assert digest_matches(info.index.digest, data)
         chunks[info.rank] = _PLAIN.decode(data).chunks
     entries = doc.entries
     jobs: list[tuple[Any, ...]] = []
@@ -303,7 +301,7 @@ def print_counts(what: str, text: str, parts: dict[str, int], n: int, phases: li
     if total is not None:
         print(f"{what}: {total / 1e6:.2f} M instructions")
     if sha is not None:
-        print(f"  of it, SHA-256 in libcrypto (manifest seal, index digests): {sha / n / 1e6:.2f} M (the software "
+        print(f"  of it, SHA-256 in libcrypto (a version-2 seal and index digests): {sha / n / 1e6:.2f} M (the software "
               f"path: valgrind's CPU has no SHA extensions; this machine's CPU {_sha_extensions()})")
     if libs:
         print("  by where the instructions ran (each function's own): " + ", ".join(
@@ -335,7 +333,7 @@ _LIBS = {
     "torch": "torch (its own code, its Python bindings included; the calls into them count as Python)",
     "libcrypto": "libcrypto (SHA-256)",
     "libc": "libc (memory, strings)",
-    "zlib": "zlib (CRC-32)",
+    "zlib": "zlib / zlib-ng (CRC-32: the seal and index digests of format version 3)",
     "other": "other",
 }
 
@@ -369,7 +367,7 @@ def _by_library(d: str, phases: bool) -> dict[str, int] | None:
 
 #: A shared object's library (:data:`_LIBS`) by the start of its file name; the first match counts.
 _BY_NAME = [("msgspec", ("_core.",)), ("libcrypto", ("libcrypto",)), ("torch", ("libtorch", "libc10", "_C.")),
-            ("libc", ("libc.", "libm.", "ld-linux")), ("zlib", ("libz.",)),
+            ("libc", ("libc.", "libm.", "ld-linux")), ("zlib", ("libz.", "zlib_ng")),
             ("numpy", ("_multiarray", "libopenblas", "libscipy")), ("libpython", ("libpython",))]
 
 

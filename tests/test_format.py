@@ -137,7 +137,10 @@ def doc_chunks(root: Path, m: dict, key: str, e: dict, per_rank: bool) -> list[d
         (fname,) = [f for f, info in m["files"].items() if info["rank"] == rank]
         rec = m["files"][fname]["index"]
         raw = (root / rec["name"]).read_bytes()
-        assert len(raw) == rec["size"] and hashlib.sha256(raw).hexdigest() == rec["sha256"]
+        if m["version"] == 2:
+            assert len(raw) == rec["size"] and hashlib.sha256(raw).hexdigest() == rec["sha256"] and "crc32" not in rec
+        else:  # version 3: the index's CRC-32
+            assert len(raw) == rec["size"] and zlib.crc32(raw) == rec["crc32"] and "sha256" not in rec
         index = json.loads(raw)
         assert index["format"] == "shardpoint-index" and index["file"] == fname
         name = ("/per_rank/" if per_rank else "") + key + "@" + ",".join(map(str, off))
@@ -219,10 +222,13 @@ def doc_tree(root: Path, m: dict, containers: dict, entries: dict, base: tuple =
 def doc_read(root: Path) -> Any:
     raw = (root / "manifest.json").read_bytes()
     m = json.loads(raw.decode("utf-8"))
-    assert m["format"] == "shardpoint" and m["version"] in (1, 2)
-    if m["version"] >= 2:  # the seal: SHA-256 of the document without its first member
+    assert m["format"] == "shardpoint" and m["version"] in (1, 2, 3)
+    if m["version"] == 2:  # the seal: SHA-256 of the document without its first member
         assert raw[:16] == b'{"seal":"sha256:' and raw[80:82] == b'",'
         assert hashlib.sha256(b"{" + raw[82:]).hexdigest() == raw[16:80].decode()
+    elif m["version"] == 3:  # the seal: CRC-32 of the document without its first member
+        assert raw[:15] == b'{"seal":"crc32:' and raw[23:25] == b'",'
+        assert f"{zlib.crc32(b'{' + raw[25:]):08x}" == raw[15:23].decode()
     assert m["checksum"]["algorithm"] == "crc32"
     for name, info in m["files"].items():
         assert (root / name).stat().st_size == info["size"] and 0 <= info["rank"] < m["world_size"]
@@ -313,14 +319,14 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
     assert index == json.dumps({"format": "shardpoint-index", "file": fname, "chunks": {
         "w@0": [8 + len(header), 8, [zlib.crc32(data)]]}}, separators=(",", ":")).encode()
     assert m["files"] == {fname: {"size": len(raw), "rank": 0, "index": {
-        "name": iname, "size": len(index), "sha256": hashlib.sha256(index).hexdigest()}}}
+        "name": iname, "size": len(index), "crc32": zlib.crc32(index)}}}
     assert sorted(m) == sorted(["seal", "format", "version", "library_version", "created", "world_size", "save_id",
                                 "checksum", "files", "containers", "entries", "health"])
     assert m["health"] == {"nonfinite": [], "metrics": {}}
-    assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 2, 1)
+    assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 3, 1)
     text = (p / "manifest.json").read_bytes()
-    body = b'{"format":"shardpoint","version":2,' + text.split(b'"version":2,', 1)[1]
-    assert text == b'{"seal":"sha256:' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
+    body = b'{"format":"shardpoint","version":3,' + text.split(b'"version":3,', 1)[1]
+    assert text == b'{"seal":"crc32:' + f"{zlib.crc32(body):08x}".encode() + b'",' + body[1:]
     assert m["library_version"] == shardpoint.__version__
     assert m["checksum"] == {"algorithm": "crc32", "block_size": 1 << 20}
     assert m["containers"] == {"": "dict"}
@@ -428,7 +434,12 @@ HOSTILE_V2 = {
     "flat gap": (lambda m: m["entries"]["w"].pop("grid") and m["entries"]["w"].update(flat=[[0, 2, 0], [3, 6, 0]]),
                  "'flat' ranges must follow each other"),
     "index record": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="x"), "'index' must be"),
-    "index digest": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="0" * 64), "SHA-256"),
+    "index digest": (lambda m: next(iter(m["files"].values()))["index"].update(crc32=0), "CRC-32"),
+    # version 3 records a CRC-32, never a SHA-256 (version 2 the other way round), and exactly one digest
+    "index sha256 in v3": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="0" * 64),
+                           r"'index' must be \{'name', 'size', 'crc32'\}"),
+    "index without digest": (lambda m: next(iter(m["files"].values()))["index"].pop("crc32"), "'index' must be"),
+    "index crc32 in v2": (lambda m: m.update(version=2), r"'index' must be \{'name', 'size', 'sha256'\}"),
     # refused by the typed decoder: the message still names the key (or file) and the field
     "shape not ints": (lambda m: m["entries"]["w"].update(shape=[2, "3"]), r"entry 'w': 'shape\[1\]': Expected `int`, got `str`"),
     "grid ranks field": (lambda m: m["entries"]["w"]["grid"].update(ranks={"first": 0, "step": 0, "x": 1}),
@@ -688,7 +699,7 @@ def test_the_same_state_is_written_byte_for_byte_as_before_but_aligned(tmp_path:
         moved += sum(a[k][0] != b[k][0] for k in a)
     assert moved == sum(len(json.loads(old_idx[r])["chunks"]) for r in old)  # the header grew: every chunk moved
     a, b = (mf.Manifest.parse((d / "manifest.json").read_bytes()) for d in (V2, out))
-    assert a.version == b.version == 2 and a.world_size == b.world_size
+    assert (a.version, b.version) == (2, 3) and a.world_size == b.world_size  # version 3: CRC-32 digests
     assert a.tree.containers == b.tree.containers and a.tree.entries == b.tree.entries
     assert sorted(f.size for f in b.files.values()) == sorted(len(new[r]) for r in new)
 
@@ -838,7 +849,8 @@ def test_manifest_bytes_are_the_json_modules(tmp_path: Path) -> None:
                 health["roles"] = {k: m.roles.get(k, "state") for k in m.nonfinite}
             health["metrics"] = {k: _number_out(v) for k, v in sorted(m.metrics.items())}
             doc["health"] = health
-        return seal(json.dumps(doc, default=msgspec.to_builtins, separators=(",", ":"), allow_nan=False).encode())
+        return seal(json.dumps(doc, default=msgspec.to_builtins, separators=(",", ":"), allow_nan=False).encode(),
+                    "sha256" if m.version == 2 else "crc32")
 
     def outcome(fn: Any) -> Any:
         try:

@@ -11,7 +11,7 @@ from .errors import CorruptCheckpointError, ShardpointError, StorageError
 from .format.chunks import ChunkLoc
 from .format.datafile import ALIGN, HeaderEntry, file_order, header_bytes, header_length, parse_header
 from .format.index import Located, digest, index_name
-from .format.manifest import MANIFEST_NAME
+from .format.manifest import FORMAT_VERSION, MANIFEST_NAME
 from .format.model import DataFile, IndexFile
 from .load.locate import read_index, read_manifest, with_refs
 from .load.read import read_verified
@@ -85,8 +85,8 @@ def _export(src: Storage, dst: Storage, overwrite: bool, advance: Callable[[int]
                                separators=(",", ":")).encode()
         iname = index_name(fname)
         dst.write_file(iname, [idx_bytes])
-        files[fname] = DataFile(dst.size(fname), info.rank, IndexFile(iname, len(idx_bytes), digest(idx_bytes)))
-    m.files, m.refs = files, {}
+        files[fname] = DataFile(dst.size(fname), info.rank, IndexFile.of(iname, len(idx_bytes), digest(idx_bytes)))
+    m.files, m.refs, m.version = files, {}, FORMAT_VERSION  # its indexes' digests are this version's
     m._by_rank = None
     commit_checkpoint(dst, m, replace=overwrite, what="the export")
 

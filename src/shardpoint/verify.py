@@ -22,7 +22,6 @@ from typing import Any, NamedTuple, Protocol
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.chunks import ChunkLoc, TensorSpec
 from .format.datafile import header_length, parse_header
-from .format.digest import ALGORITHM
 from .format.manifest import MANIFEST_NAME, Manifest
 from .format.model import PerRankEntry, TensorEntry
 from .health import HealthRule
@@ -81,9 +80,11 @@ class VerifyResult:
     unlisted: list[str] = field(default_factory=list)
     """Files in the checkpoint that the manifest does not name (leftovers; not damage)."""
     seal: str | None = None
-    """The manifest's seal: ``"verified"`` (its SHA-256 matched), ``"absent"`` (a
+    """The manifest's seal: ``"verified"`` (its digest matched), ``"absent"`` (a
     version-1 manifest has none, so damage to it cannot be detected), or None when
     the manifest could not be read (``problems`` says why)."""
+    seal_algorithm: str | None = None
+    """The seal's algorithm where ``seal`` is ``"verified"``: ``crc32`` (format version 3) or ``sha256`` (version 2)."""
     nonfinite: list[str] | None = None
     """Health, as recorded at save (docs/format.md, section 3.5): the keys whose tensors
     held a NaN or an infinity; None when not recorded (saved before shardpoint recorded
@@ -134,7 +135,7 @@ class VerifyResult:
         if health:
             lines.append(f"health: {health}")
         if self.seal == "verified":
-            lines.append(f"manifest seal: verified ({ALGORITHM})")
+            lines.append(f"manifest seal: verified ({self.seal_algorithm})")
         elif self.seal == "absent":
             lines.append("manifest seal: absent (format version 1 has none: damage to the manifest itself cannot be "
                          "detected; load it and save it again for a sealed copy)")
@@ -155,7 +156,7 @@ def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str,
            progress: Meter | None = None) -> VerifyResult:
     """Re-read every chunk of the checkpoint at ``path`` and check it.
 
-    Checks: the manifest's seal (its SHA-256; ``result.seal``), that it parses and is self-consistent (chunks tile each tensor,
+    Checks: the manifest's seal (its CRC-32, or SHA-256 in version 2; ``result.seal``), that it parses and is self-consistent (chunks tile each tensor,
     byte lengths match shapes and dtypes); every listed file is present with the
     size the manifest records and a sound safetensors header whose tensors are
     the manifest's chunks; every block of every chunk matches its CRC-32.
@@ -179,6 +180,7 @@ def verify(path: str | os.PathLike[str] | Storage, *, storage_options: dict[str,
         res.problems.append(Problem(file=MANIFEST_NAME, key=None, reason=str(e)))
         return res
     res.seal = "verified" if manifest.sealed else "absent"
+    res.seal_algorithm = manifest.seal_algorithm
     res.nonfinite = None if manifest.nonfinite is None else list(manifest.nonfinite)
     res.nan = None if manifest.nan is None else list(manifest.nan)
     res.unfit = list(HealthRule().unfit(manifest.nonfinite, manifest.nan, manifest.roles))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardpoint.format.digest import SEAL_HEADER_LEN, is_sealed, seal
+from shardpoint.format.digest import is_sealed, seal
 
 
 def manifest(path: Path) -> dict[str, Any]:
@@ -22,7 +22,7 @@ def sealed(doc: Any) -> bytes:
         doc = json.dumps({k: v for k, v in doc.items() if k != "seal"})
     raw = doc.encode() if isinstance(doc, str) else bytes(doc)
     if is_sealed(raw):  # JSON text still carrying the old seal
-        raw = b"{" + raw[SEAL_HEADER_LEN:]
+        raw = b"{" + raw[raw.index(b'",') + 2 :]  # the seal's member ends at the first '",' (after its hex digits)
     return seal(raw)
 
 

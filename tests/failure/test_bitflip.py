@@ -25,7 +25,7 @@ import torch
 import shardpoint
 from shardpoint.api import save_offline
 from shardpoint.errors import ShardpointError
-from shardpoint.format.digest import SEAL_HEADER_LEN
+from shardpoint.format.digest import check_seal
 from shardpoint.layout import FlatShard
 
 WORLD = 2
@@ -143,7 +143,7 @@ def test_every_bit_of_the_manifest(ckpt: Path) -> None:
 def test_the_error_names_the_manifest_and_the_fix(ckpt: Path) -> None:
     manifest = ckpt / "manifest.json"
     body_byte = manifest.read_bytes().index(b'"opt/lr"')  # a flip in a plain value's key
-    closing_quote = SEAL_HEADER_LEN - 2  # the '"' after the 64 hex digits
+    closing_quote = check_seal(manifest.read_bytes(), "m") - 2  # the '"' after the seal's hex digits
     for where, msg in ((8 * body_byte + 1, "checksum mismatch"), (8 * 3, "no valid seal"),
                        (8 * closing_quote, "malformed")):
         for _ in _flips(manifest, [where]):
@@ -221,7 +221,7 @@ def test_verify_reports_the_seal(ckpt: Path, capsys: pytest.CaptureFixture[str])
     from shardpoint.verify import main, verify
 
     res = verify(ckpt)
-    assert res.ok and res.seal == "verified" and "manifest seal: verified (sha256)" in res.summary()
+    assert res.ok and res.seal == "verified" and "manifest seal: verified (crc32)" in res.summary()
     v1 = Path(__file__).parent.parent / "data" / "v1"
     assert main([str(v1)]) == 0
     assert "manifest seal: absent (format version 1 has none" in capsys.readouterr().out

@@ -216,7 +216,7 @@ def _normalised(folder: Path) -> dict[str, object]:
             doc = json.loads(unseal(data, str(f)))
             doc.pop("created")
             for entry in doc["files"].values():
-                entry["index"].pop("sha256")
+                entry["index"].pop("crc32")
             data = json.dumps(doc, sort_keys=True).encode()
         out[f.name.replace(man.save_id, "ID")] = data.replace(sid, b"ID")
     return out

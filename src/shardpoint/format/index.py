@@ -1,15 +1,15 @@
-"""Per-data-file CRC indexes (format version 2).
+"""Per-data-file CRC indexes (format versions 2 and 3).
 
 Each data file ``rNNNNN-<save_id>.safetensors`` has an index object beside it,
 ``rNNNNN-<save_id>.index.json``, that says where each chunk lies in the file and
-lists its CRC-32 per block. The manifest records each index's size and SHA-256, so
+lists its CRC-32 per block. The manifest records each index's size and digest (a
+CRC-32 of the whole index in version 3, a SHA-256 in version 2), so
 a loader reads only the indexes of the files it needs and trusts none whose bytes
 differ from what the manifest committed.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, NamedTuple, TypeGuard
 
@@ -18,6 +18,7 @@ import msgspec
 from ..errors import CorruptCheckpointError
 from .chunks import ChunkLoc
 from .datafile import WrittenChunk, crc_count, json_bytes
+from .digest import content_digest, digest_matches
 from .model import COUNT_LIMIT, IndexFile
 
 INDEX_FORMAT = "shardpoint-index"
@@ -55,8 +56,9 @@ def index_bytes(data_file: str, chunks: list[tuple[str, WrittenChunk]],
 
 
 def digest(data: bytes) -> str:
-    """SHA-256 of ``data`` as lowercase hex (what the manifest records for an index)."""
-    return hashlib.sha256(data).hexdigest()
+    """The digest a manifest records for an index object written now: its CRC-32,
+    named (``crc32:<8 hex>``; :attr:`IndexFile.digest <shardpoint.format.model.IndexFile.digest>`)."""
+    return content_digest(data)
 
 
 class Located(NamedTuple):
@@ -187,8 +189,10 @@ def parse_index(data: bytes, *, data_file: str, expect: IndexFile, file_size: in
         )
 
     data = bytes(data)
-    if len(data) != expect.size or digest(data) != expect.sha256:
-        raise bad(f"its SHA-256 or size ({len(data)} bytes) differs from what the manifest committed")
+    named = expect.digest
+    if len(data) != expect.size or not digest_matches(named, data):
+        what = "CRC-32" if named.startswith("crc32:") else "SHA-256"
+        raise bad(f"its {what} or size ({len(data)} bytes) differs from what the manifest committed")
     doc: _Plain | _Any
     try:
         doc = _PLAIN.decode(data)

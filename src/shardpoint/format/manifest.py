@@ -2,7 +2,8 @@
 
 Its presence is the commit: a directory without ``manifest.json`` holds no
 checkpoint. It is sealed (:mod:`.digest`): :meth:`Manifest.parse` checks its
-SHA-256 before reading anything in it, so a flipped bit anywhere is refused,
+seal (a CRC-32 in version 3, a SHA-256 in version 2) before reading anything in
+it, so a flipped bit anywhere is refused,
 never loaded. Then it checks every field it will use, so a hostile manifest
 that was sealed on purpose raises :class:`CorruptCheckpointError` instead of
 reaching a file outside the checkpoint, a huge allocation or an unexpected
@@ -32,15 +33,18 @@ from ..runtime import PROCESS
 from . import layouts
 from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
-from .digest import check_seal, is_sealed, seal
+from .digest import check_seal, is_sealed, seal, seal_algorithm
 from .index import is_count
 from .model import ContainerType, DataFile, Document, Entry, PerRankEntry, TensorEntry, TreeDoc, ValueEntry
 from .names import check_name
 from .refs import split_ref
 
 FORMAT_NAME = "shardpoint"
-#: Version 2: the manifest is sealed (format/digest.py).
-FORMAT_VERSION = 2
+#: Version 3: the manifest's seal and its indexes' digests are CRC-32s; version 2
+#: (SHA-256s) and version 1 (no seal, no indexes) are still read.
+FORMAT_VERSION = 3
+#: The algorithm that seals a manifest of each sealed version, and digests its indexes.
+SEALS = {2: "sha256", 3: "crc32"}
 #: The one version whose manifests have no seal (read, never written).
 UNSEALED_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -144,6 +148,8 @@ class Manifest:
     version: int = FORMAT_VERSION
     #: Whether the bytes this was parsed from carried a seal that matched (False for version 1).
     sealed: bool = False
+    #: The algorithm of that seal (``crc32``, ``sha256``), or None (version 1; a manifest made, not parsed).
+    seal_algorithm: str | None = None
     #: Data files of sibling checkpoints whose bytes this one uses (incremental saves,
     #: :mod:`.refs`): ``"../<folder>/<file>" -> {"size": bytes}``; empty for a self-contained checkpoint.
     refs: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -196,8 +202,8 @@ class Manifest:
         return sum(r.get("bytes", 0) for r in self.refs.values())
 
     def to_bytes(self) -> bytes:
-        """The sealed manifest file's bytes."""
-        return seal(self._body())
+        """The sealed manifest file's bytes (sealed as its version is: :data:`SEALS`)."""
+        return seal(self._body(), SEALS.get(self.version, "sha256"))
 
     def _body(self) -> bytes:
         """The manifest's JSON before its seal: the bytes ``json.dumps(doc,
@@ -267,12 +273,14 @@ class Manifest:
         """Check the seal, then parse and validate; raises :class:`CorruptCheckpointError`
         naming ``where``.
 
-        A sealed manifest is trusted only after its SHA-256 matches. An unsealed one
+        A sealed manifest is trusted only after its seal matches (its CRC-32, or the
+        SHA-256 of version 2; either seal is accepted on any sealed version). An unsealed one
         is read only as version 1 (written before seals existed): a sealed manifest
         whose seal a flipped bit broke still says version 2 and is refused, so damage
         can never downgrade a manifest to the unchecked path."""
         data = bytes(data)
-        sealed = is_sealed(data)
+        alg = seal_algorithm(data)
+        sealed = alg is not None
         if sealed:  # its seal checked where it lies; then the sealed document is decoded whole (a JSON object too)
             check_seal(data, where, fix=DAMAGED_FIX)
 
@@ -297,9 +305,11 @@ class Manifest:
                 if r is None or not 0 <= r < ws or r in ranks_seen:
                     raise bad(f"files[{name!r}]: 'rank' is not a rank of the saving job, or two files name one rank")
                 ranks_seen.add(r)
-                if info.index is None:
-                    raise bad(f"files[{name!r}]: 'index' must be {{'name', 'size', 'sha256'}}")
-                check_name(info.index.name)
+                idx = info.index
+                if idx is None or (idx.sha256 is None) == (idx.crc32 is None) or \
+                        (idx.crc32 is None) != (version == 2):
+                    raise bad(f"files[{name!r}]: 'index' must be {_index_fields(version)}")
+                check_name(idx.name)
         created = doc.created
         try:
             datetime.fromtimestamp(created, tz=timezone.utc)
@@ -316,7 +326,7 @@ class Manifest:
         tree = _parse_tree(doc.containers, doc.entries, files, block, bad, ws, depth=0, version=version)
         return cls(
             world_size=ws, created=float(created), save_id=doc.save_id, tree=tree, files=files, crc_block=block,
-            library_version=doc.library_version, version=version, sealed=sealed, refs=refs, nonfinite=nonfinite,
+            library_version=doc.library_version, version=version, sealed=sealed, seal_algorithm=alg, refs=refs, nonfinite=nonfinite,
             nan=nan, roles=roles, metrics=metrics,
         )
 
@@ -402,7 +412,9 @@ def _explain(data: bytes, err: msgspec.ValidationError, sealed: bool, where: str
         why = _why(info, DataFile)
         if why is not None:
             if why[0].startswith("index"):
-                return bad(f"files[{name!r}]: 'index' must be {{'name', 'size', 'sha256'}} ({why[0]}: {why[1]})")
+                v = raw.get("version")
+                return bad(f"files[{name!r}]: 'index' must be {_index_fields(v if isinstance(v, int) else 3)} "
+                           f"({why[0]}: {why[1]})")
             return bad(f"files[{name!r}]: '{why[0]}': {why[1]}")
     if isinstance(raw.get("containers"), dict) and isinstance(raw.get("entries"), dict):
         found = _tree_problem(raw["containers"], raw["entries"])
@@ -413,6 +425,11 @@ def _explain(data: bytes, err: msgspec.ValidationError, sealed: bool, where: str
     if field in ("files", "entries", "containers") and not isinstance(raw.get(field), dict):
         return bad(f"'{field}' is not an object")
     return bad(f"'{field}': {reason}")
+
+
+def _index_fields(version: int) -> str:
+    """The members of a file's ``index`` record in a manifest of ``version``."""
+    return "{'name', 'size', 'sha256'}" if version == 2 else "{'name', 'size', 'crc32'}"
 
 
 def _why(value: object, typ: Any) -> tuple[str, str] | None:

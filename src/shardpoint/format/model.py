@@ -31,12 +31,30 @@ Count = Annotated[int, msgspec.Meta(ge=0, lt=COUNT_LIMIT)]
 ContainerType = Literal["dict", "list", "tuple"]
 
 
-class IndexFile(msgspec.Struct, frozen=True, gc=False):
-    """The index object beside a data file, as the manifest commits it (version 2)."""
+class IndexFile(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """The index object beside a data file, as the manifest commits it: its digest is
+    a SHA-256 (version 2) or a CRC-32 (version 3); exactly one of the two."""
 
     name: str
     size: Count
-    sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    crc32: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] | None = None
+
+    @property
+    def digest(self) -> str:
+        """The recorded digest, named (:func:`~.digest.content_digest`'s form:
+        ``crc32:<8 hex>`` or ``sha256:<64 hex>``); "" when the record has none."""
+        if self.crc32 is not None:
+            return f"crc32:{self.crc32:08x}"
+        return f"sha256:{self.sha256}" if self.sha256 is not None else ""
+
+    @staticmethod
+    def of(name: str, size: int, digest: str) -> IndexFile:
+        """The record of an index object whose digest is ``digest`` (named, as :attr:`digest` gives it)."""
+        alg, _, value = digest.partition(":")
+        if alg == "crc32":
+            return IndexFile(name, size, crc32=int(value, 16))
+        return IndexFile(name, size, sha256=value)
 
 
 class DataFile(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

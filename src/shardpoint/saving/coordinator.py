@@ -496,7 +496,7 @@ def build_manifest(plan: Plan, values: list[RankValues], statuses: list[WriteSta
                             _tensor_entries(d["tensors"], _per_rank_placed(d, r)))
                 ranks[str(r)] = sub.doc()
         tree.entries[pkey] = PerRankEntry(ranks)
-    files = {st.file: DataFile(st.size, r, IndexFile(st.index.name, st.index.size, st.index.sha256))
+    files = {st.file: DataFile(st.size, r, IndexFile.of(st.index.name, st.index.size, st.index.digest))
              for r, st in enumerate(statuses) if st.file is not None and st.index is not None}
     return Manifest(world_size=len(statuses), created=time.time(), save_id=save_id, tree=tree, files=files,
                     crc_block=CRC_BLOCK, library_version=__version__,

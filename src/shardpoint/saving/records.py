@@ -178,10 +178,11 @@ class IndexRecord:
 
     name: str
     size: int
-    sha256: str
+    digest: str
+    """Named (``crc32:<8 hex>``: :func:`shardpoint.format.index.digest`)."""
 
     def wire(self) -> Wire:
-        return {"name": self.name, "size": self.size, "sha256": self.sha256}
+        return {"name": self.name, "size": self.size, "digest": self.digest}
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +224,7 @@ class WriteStatus:
             index = m.get("index")
             return WriteStatus(
                 file=m["file"], size=int(m.get("size", 0)),
-                index=IndexRecord(str(index["name"]), int(index["size"]), str(index["sha256"])) if index else None,
+                index=IndexRecord(str(index["name"]), int(index["size"]), str(index["digest"])) if index else None,
                 replica_rows=tuple(int(r) for r in rows), replica_digests=tuple(int(d) for d in digests),
                 refs=m.get("refs"), nonfinite=tuple(str(k) for k in m.get("nonfinite", ())),
                 nan=tuple(str(k) for k in m.get("nan", ())),

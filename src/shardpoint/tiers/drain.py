@@ -10,7 +10,6 @@ for a checkpoint, and the snapshot it came from is still in memory)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import select
@@ -24,6 +23,7 @@ from typing import IO, Any
 import msgspec
 
 from ..errors import CorruptCheckpointError, MemoryTierError, ShardpointError
+from ..format.digest import Digester
 from ..format.manifest import MANIFEST_NAME
 from ..load.locate import committed, read_manifest
 from ..saving.commit import commit_checkpoint
@@ -95,20 +95,20 @@ def _blocks(src: Storage, name: str, size: int, alive: Callable[[], bool], h: An
         yield memoryview(b)
 
 
-def _copy(src: Storage, dst: Storage, name: str, size: int, alive: Callable[[], bool], sha256: str | None = None,
+def _copy(src: Storage, dst: Storage, name: str, size: int, alive: Callable[[], bool], digest: str | None = None,
           rel: str | None = None) -> None:
-    h = hashlib.sha256() if sha256 is not None else None
+    h = Digester(digest) if digest is not None else None
     n = dst.write_file(name, _blocks(src, rel or name, size, alive, h))
-    if n != size or (h is not None and h.hexdigest() != sha256):
+    if n != size or (h is not None and h.named() != digest):
         dst.remove(name)
         raise CorruptCheckpointError(f"memory snapshot file {src.url}/{rel or name} changed while it was drained "
-                                     f"({n} bytes, {size} expected, or its SHA-256 differs from its manifest's); "
+                                     f"({n} bytes, {size} expected, or its digest differs from its manifest's); "
                                      "the durable checkpoint was not committed")
 
 
 def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> None:
     """Copy the snapshot at ``job.src`` to ``job.root/job.folder``: data files and
-    their indexes (each fsynced, each index checked against the manifest's SHA-256),
+    their indexes (each fsynced, each index checked against the manifest's digest),
     then the commit every path makes (:func:`~shardpoint.saving.commit.commit_checkpoint`:
     the files checked, the manifest, ``latest``). A checkpoint already in that folder
     is replaced as a direct save with ``overwrite`` replaces it (its files go after the
@@ -130,7 +130,7 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
         if owner is not None:
             owner.check(what)
         for f in job.files:
-            _copy(src, dst, f.name, f.size, alive, f.sha256, f.rel)
+            _copy(src, dst, f.name, f.size, alive, f.digest, f.rel)
         return
     man_bytes = bytes(src.read(MANIFEST_NAME))
     man = read_manifest(src)  # the seal is checked: a torn snapshot is never drained
@@ -144,10 +144,10 @@ def drain_snapshot(job: DrainJob, alive: Callable[[], bool] = lambda: True) -> N
             _copy(src, dst, name, entry.size, alive)
             idx = entry.index
             if idx is not None:
-                _copy(src, dst, idx.name, idx.size, alive, idx.sha256)
+                _copy(src, dst, idx.name, idx.size, alive, idx.digest)
     else:  # the other hosts' parts are checked by the commit: never a partial checkpoint
         for f in job.files:
-            _copy(src, dst, f.name, f.size, alive, f.sha256, f.rel)
+            _copy(src, dst, f.name, f.size, alive, f.digest, f.rel)
     if not alive():
         raise DrainAborted(f"drain of step {job.step} stopped before its commit: the training process is gone")
     commit_checkpoint(dst, man, replace=True, owner=owner, latest=job.folder, data=man_bytes, what=what)

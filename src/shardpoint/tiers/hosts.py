@@ -105,13 +105,14 @@ class Hosts:
 class FileSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One file of a snapshot where one host holds it: ``rel``, where it lies in the
     host's step folder (``name``, ``replicas/<name>`` or ``fetched/<name>``); ``name``,
-    the name it has in the checkpoint; its ``size``; and for an index the SHA-256 its
-    manifest records (``sha256``; None for a data file, whose chunks carry CRCs)."""
+    the name it has in the checkpoint; its ``size``; and for an index the digest its
+    manifest records (``digest``, named: ``crc32:<8 hex>`` or ``sha256:<64 hex>``; None
+    for a data file, whose chunks carry CRCs)."""
 
     rel: str
     name: str
     size: int
-    sha256: str | None = None
+    digest: str | None = None
 
 
 def rank_files(manifest_files: Mapping[str, DataFile]) -> dict[int, list[FileSpec]]:
@@ -125,7 +126,7 @@ def rank_files(manifest_files: Mapping[str, DataFile]) -> dict[int, list[FileSpe
         specs.append(FileSpec(name, name, entry.size))
         idx = entry.index
         if idx is not None:
-            specs.append(FileSpec(idx.name, idx.name, idx.size, idx.sha256))
+            specs.append(FileSpec(idx.name, idx.name, idx.size, idx.digest))
     return out
 
 
@@ -176,7 +177,7 @@ class StepHolding(msgspec.Struct, frozen=True, kw_only=True):
     data: list[str] = []
     """The data files among ``need``."""
     sha: dict[str, str] = {}
-    """Each index's SHA-256, as the manifest records it."""
+    """Each index's digest, as the manifest records it (named: ``crc32:<8 hex>`` or ``sha256:<64 hex>``)."""
     have: dict[str, tuple[int, str]] = {}
     """Every file present in the step folder, its ``replicas/`` and ``fetched/``: name ->
     (size, path relative to the step folder; the step folder's own copy preferred)."""

@@ -284,7 +284,7 @@ class JobArea:
                               metrics=dict(man.metrics), created=man.created, world_size=man.world_size,
                               manifest=os.path.getsize(os.path.join(st.inner.root, MANIFEST_NAME)),
                               need=needed(man.files), data=sorted(man.files),
-                              sha={f.index.name: f.index.sha256 for f in man.files.values() if f.index is not None})
+                              sha={f.index.name: f.index.digest for f in man.files.values() if f.index is not None})
             except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
                 pass
             have: dict[str, tuple[int, str]] = {}
