@@ -57,7 +57,7 @@ def committed(storage: Storage, save_id: str) -> bool:
 
 def read_index(storage: Storage, manifest: Manifest, fname: str) -> Index:
     """The verified index of data file ``fname`` (its bytes must have the size and
-    SHA-256 the manifest committed)."""
+    digest the manifest committed)."""
     info = manifest.files[fname]
     rec = info.index
     if rec is None:
