@@ -492,10 +492,11 @@ def test_newer_format_version_is_refused_clearly(tmp_path: Path) -> None:
     p = tmp_path / "ckpt"
     shardpoint.save({"w": torch.ones(3)}, p)
     doc = json.loads((p / "manifest.json").read_text())
-    doc["version"] = 3
+    doc["version"] = shardpoint.format.FORMAT_VERSION + 1
     (p / "manifest.json").write_bytes(sealed(doc))
     for call in (lambda: shardpoint.load({"w": torch.zeros(3)}, p), lambda: shardpoint.load_full(p), lambda: shardpoint.metadata(p)):
-        with pytest.raises(ShardpointError, match="format version 3 is newer than this shardpoint reads.*upgrade shardpoint"):
+        with pytest.raises(ShardpointError, match=f"format version {shardpoint.format.FORMAT_VERSION + 1} is newer than this shardpoint "
+                                                  "reads.*upgrade shardpoint"):
             call()
 
 

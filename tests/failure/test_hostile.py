@@ -115,6 +115,17 @@ def _seal_last(m: dict[str, Any]) -> bytes:
     return body[:-1] + b',"seal":"' + seal(body)[9:SEAL_HEADER_LEN - 2] + b'"}'
 
 
+def _crc_upper(m: dict[str, Any]) -> bytes:
+    """The right CRC-32 seal of ``m`` in upper-case hex: ``save_id`` changed (and the
+    seal made again) until the digest has a letter, so that upper case changes it."""
+    for i in range(1000):
+        m["save_id"] = f"{i:012x}"
+        hexd = seal(_compact(m).encode(), "crc32")[15:23]
+        if hexd != hexd.upper():
+            return _seal_as(m, hexd.upper(), prefix=b'{"seal":"crc32:')
+    raise AssertionError("no CRC-32 with a letter in 1000 tries")
+
+
 def _seal_of_other(m: dict[str, Any]) -> bytes:
     """The seal of another manifest (step 8 instead of 7) on this one."""
     other = copy.deepcopy(m)
@@ -202,8 +213,7 @@ CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "seal-of-nothing": lambda m: seal(b'{"x":1}')[:SEAL_HEADER_LEN],
     # the CRC-32 seal a version-3 manifest is written with
     "seal-crc-wrong-digest": lambda m: _seal_as(m, b"0" * 8, prefix=b'{"seal":"crc32:'),
-    "seal-crc-upper-case": lambda m: _seal_as(m, seal(_compact(m).encode(), "crc32")[15:23].upper(),
-                                              prefix=b'{"seal":"crc32:'),
+    "seal-crc-upper-case": lambda m: _crc_upper(m),
     "seal-crc-long": lambda m: _seal_as(m, seal(_compact(m).encode(), "crc32")[15:23] + b"0",
                                         prefix=b'{"seal":"crc32:'),
     "seal-crc-of-another-manifest": lambda m: seal(_compact(dict(m, save_id="x")).encode(), "crc32")[:25]
