@@ -111,11 +111,21 @@ def doc_flat_boxes(shape: tuple, start: int, stop: int) -> list[tuple[list[int],
     return out
 
 
+def doc_entry(m: dict, e: dict) -> dict:
+    """A tensor entry as version 2 spells it out: in version 3 the entry names a row of
+    the ``layouts`` table, which holds its shape and layout (section 3.3)."""
+    if m["version"] < 3 or "shape" in e:
+        return e
+    assert set(e) <= {"kind", "dtype", "layout", "numpy"}
+    return {**m["layouts"][e["layout"]], **{k: v for k, v in e.items() if k != "layout"}}
+
+
 def doc_chunks(root: Path, m: dict, key: str, e: dict, per_rank: bool) -> list[dict]:
     """The chunks of a tensor entry with file, offset, length and crc32 (section 3.2;
-    version 2: section 3.3 and the file's index, section 4.1)."""
+    versions 2 and 3: section 3.3 and the file's index, section 4.1)."""
     if m["version"] == 1:
         return e["chunks"]
+    e = doc_entry(m, e)
     shape = tuple(e["shape"])
     boxes: list[tuple[list[int], list[int], int]] = []
     if "grid" in e:
@@ -151,6 +161,7 @@ def doc_chunks(root: Path, m: dict, key: str, e: dict, per_rank: bool) -> list[d
 
 def doc_tensor(root: Path, m: dict, key: str, e: dict, per_rank: bool) -> Raw:
     block, files = m["checksum"]["block_size"], m["files"]
+    e = doc_entry(m, e)
     shape = tuple(e["shape"])
     item = ITEMSIZE[e["dtype"]]
     numel = math.prod(shape)
@@ -320,8 +331,8 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
         "w@0": [8 + len(header), 8, [zlib.crc32(data)]]}}, separators=(",", ":")).encode()
     assert m["files"] == {fname: {"size": len(raw), "rank": 0, "index": {
         "name": iname, "size": len(index), "crc32": zlib.crc32(index)}}}
-    assert sorted(m) == sorted(["seal", "format", "version", "library_version", "created", "world_size", "save_id",
-                                "checksum", "files", "containers", "entries", "health"])
+    assert list(m) == ["seal", "format", "version", "library_version", "created", "world_size", "save_id",
+                       "checksum", "files", "containers", "layouts", "entries", "health"]
     assert m["health"] == {"nonfinite": [], "metrics": {}}
     assert (m["format"], m["version"], m["world_size"]) == ("shardpoint", 3, 1)
     text = (p / "manifest.json").read_bytes()
@@ -334,8 +345,9 @@ def test_exact_bytes_of_a_small_checkpoint(tmp_path: Path) -> None:
         "v": {"kind": "value", "value": ["float", "0x1.999999999999ap-4"]},
         "s": {"kind": "value", "value": ["str", "x"]},
         "n": {"kind": "value", "value": ["none"]},
-        "w": {"kind": "tensor", "dtype": "float32", "shape": [2], "grid": {"cuts": [2], "ranks": [0]}},
+        "w": {"kind": "tensor", "dtype": "float32", "layout": 0},
     }
+    assert m["layouts"] == [{"shape": [2], "grid": {"cuts": [2], "ranks": [0]}}]
 
 
 def test_block_checksums_catch_damage_in_any_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -375,14 +387,16 @@ def test_truncated_data_file_is_reported(tmp_path: Path) -> None:
 
 # --- hostile manifests --------------------------------------------------------------------
 
-def _damaged(tmp_path: Path, edit, v1: bool = True) -> Path:  # type: ignore[no-untyped-def]
+def _damaged(tmp_path: Path, edit, v1: bool = True, v3: bool = False) -> Path:  # type: ignore[no-untyped-def]
     p = tmp_path / "ckpt"
     if not p.exists():
-        from tests.failure._util import as_v1
+        from tests.failure._util import as_v1, as_v2
 
         shardpoint.save({"w": torch.arange(6.0).reshape(2, 3), "v": 1}, p)
-        # the chunk cases damage a version 1 manifest (every later version keeps reading it)
-        (p / "good.json").write_text(json.dumps(as_v1(p) if v1 else json.loads((p / "manifest.json").read_text())))
+        # the chunk cases damage a version 1 manifest, the layout cases a version 2 one (every later
+        # version keeps reading both), the layout table's cases the version 3 one a save writes
+        doc = json.loads((p / "manifest.json").read_text()) if v3 else as_v1(p) if v1 else as_v2(p)
+        (p / "good.json").write_text(json.dumps(doc))
     m = json.loads((p / "good.json").read_text())
     edit(m)
     (p / "manifest.json").write_bytes(sealed(m))
@@ -434,12 +448,12 @@ HOSTILE_V2 = {
     "flat gap": (lambda m: m["entries"]["w"].pop("grid") and m["entries"]["w"].update(flat=[[0, 2, 0], [3, 6, 0]]),
                  "'flat' ranges must follow each other"),
     "index record": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="x"), "'index' must be"),
-    "index digest": (lambda m: next(iter(m["files"].values()))["index"].update(crc32=0), "CRC-32"),
-    # version 3 records a CRC-32, never a SHA-256 (version 2 the other way round), and exactly one digest
-    "index sha256 in v3": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="0" * 64),
-                           r"'index' must be \{'name', 'size', 'crc32'\}"),
-    "index without digest": (lambda m: next(iter(m["files"].values()))["index"].pop("crc32"), "'index' must be"),
-    "index crc32 in v2": (lambda m: m.update(version=2), r"'index' must be \{'name', 'size', 'sha256'\}"),
+    "index digest": (lambda m: next(iter(m["files"].values()))["index"].update(sha256="0" * 64), "SHA-256"),
+    # version 2 records a SHA-256, never a CRC-32 (version 3 the other way round)
+    "index crc32 in v2": (lambda m: next(iter(m["files"].values()))["index"].update(crc32=0),
+                          r"'index' must be \{'name', 'size', 'sha256'\}"),
+    "layouts in v2": (lambda m: m.update(layouts=[]) or m["entries"].update(w={"kind": "tensor", "dtype": "float32", "layout": 0}),
+                      r"entry 'w': .*missing required field `shape`"),
     # refused by the typed decoder: the message still names the key (or file) and the field
     "shape not ints": (lambda m: m["entries"]["w"].update(shape=[2, "3"]), r"entry 'w': 'shape\[1\]': Expected `int`, got `str`"),
     "grid ranks field": (lambda m: m["entries"]["w"]["grid"].update(ranks={"first": 0, "step": 0, "x": 1}),
@@ -448,6 +462,51 @@ HOSTILE_V2 = {
     "value not a list": (lambda m: m["entries"]["v"].update(value="5"), r"entry 'v': 'value': Expected `array`, got `str`"),
     "checksum": (lambda m: m["checksum"].update(algorithm="md5"), r"'checksum.algorithm': Invalid enum value 'md5'"),
 }
+
+
+def _index(m: dict) -> dict:
+    return next(iter(m["files"].values()))["index"]
+
+
+def _row(m: dict) -> dict:
+    return m["layouts"][m["entries"]["w"]["layout"]]
+
+
+HOSTILE_V3 = {
+    # the index's digest: a CRC-32, exactly one
+    "index digest": (lambda m: _index(m).update(crc32=(_index(m)["crc32"] + 1) % (1 << 32)), "CRC-32"),
+    "index sha256 in v3": (lambda m: _index(m).update(sha256="0" * 64), r"'index' must be \{'name', 'size', 'crc32'\}"),
+    "index without digest": (lambda m: _index(m).pop("crc32"), "'index' must be"),
+    "index crc32 not an int": (lambda m: _index(m).update(crc32="0"), r"'index' must be .*Expected `int"),
+    # the layouts table and the rows tensor entries name
+    "layout out of range": (lambda m: m["entries"]["w"].update(layout=7), r"entry 'w': 'layout' 7 is not a row of 'layouts' \(1 rows\)"),
+    "no layouts": (lambda m: m.pop("layouts"), r"entry 'w': 'layout' 0 is not a row of 'layouts' \(0 rows\)"),
+    "layout not an int": (lambda m: m["entries"]["w"].update(layout="0"), r"entry 'w': 'layout': Expected `int`, got `str`"),
+    "layout negative": (lambda m: m["entries"]["w"].update(layout=-1), r"entry 'w': 'layout': Expected `int` >= 0"),
+    "entry spelled out": (lambda m: m["entries"]["w"].update(shape=[2, 3]), r"entry 'w': .*unknown field `shape`"),
+    "entry without layout": (lambda m: m["entries"]["w"].pop("layout"), r"entry 'w': .*missing required field `layout`"),
+    "unknown dtype": (lambda m: m["entries"]["w"].update(dtype="object"), "entry 'w': unknown dtype 'object'"),
+    "numpy bfloat16": (lambda m: m["entries"]["w"].update(dtype="bfloat16", numpy=True), "numpy has no bfloat16"),
+    "row two layouts": (lambda m: _row(m).update(chunks=[]), "entry 'w': layouts\\[0\\] must have exactly one of"),
+    "row no layout": (lambda m: _row(m).pop("grid"), "entry 'w': layouts\\[0\\] must have exactly one of"),
+    "row grid cuts": (lambda m: _row(m)["grid"].update(cuts=[0, 3]), "entry 'w': grid cuts 0 do not split"),
+    "row grid ranks": (lambda m: _row(m)["grid"].update(ranks=[3]), "entry 'w': grid 'ranks' must list 1 ranks"),
+    "row huge shape": (lambda m: _row(m).update(shape=[2**40, 2**40]), "entry 'w': .*implausibly large"),
+    "row shape not ints": (lambda m: _row(m).update(shape=[2, "3"]), r"'layouts\[0\].shape\[1\]': Expected `int`, got `str`"),
+    "row unknown field": (lambda m: _row(m).update(x=1), r"'layouts\[0\]': Object contains unknown field `x`"),
+    "layouts not a list": (lambda m: m.update(layouts={}), r"'layouts': Expected `array`, got `object`"),
+    "version 2 with rows": (lambda m: m.update(version=2), r"entry 'w': .*missing required field `shape`"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_V3))
+def test_hostile_v3_manifest_is_refused(tmp_path: Path, case: str) -> None:
+    edit, msg = HOSTILE_V3[case]
+    p = _damaged(tmp_path, edit, v3=True)
+    with pytest.raises(CorruptCheckpointError, match=msg):
+        shardpoint.load_full(p)
+    with pytest.raises(CorruptCheckpointError):
+        shardpoint.load({"w": torch.zeros(2, 3), "v": 0}, p)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_V2))
@@ -840,6 +899,9 @@ def test_manifest_bytes_are_the_json_modules(tmp_path: Path) -> None:
             "format": "shardpoint", "version": m.version, "library_version": m.library_version, "created": m.created,
             "world_size": m.world_size, "save_id": m.save_id, "checksum": {"algorithm": "crc32", "block_size": m.crc_block},
             "files": m.files, "containers": m.tree.containers, "entries": m.tree.entries}
+        if m.version >= 3:  # the entries name rows of the layouts table
+            del doc["entries"]
+            doc["layouts"], doc["entries"] = mf._with_rows(m.tree.entries, mf.RowsMemo())
         if m.refs:
             doc["refs"] = m.refs
         if m.nonfinite is not None:
@@ -868,3 +930,28 @@ def test_manifest_bytes_are_the_json_modules(tmp_path: Path) -> None:
             for other in (dataclasses.replace(m, created=v), dataclasses.replace(m, metrics={"z": v, "a": 1e-5}),
                           dataclasses.replace(m, metrics={"z": 1e22}, nonfinite=None)):
                 assert outcome(other.to_bytes) == outcome(lambda o=other: by_json(o)), v
+
+
+def test_a_saves_layout_rows_are_kept_for_the_next_save_of_the_same_plan(tmp_path: Path) -> None:
+    """Version 3: tensors of one shape and layout share a row of ``layouts``; a save
+    that reuses its cached plan reuses the rows of the top-level tensors (made once)
+    and adds its per-rank values' rows in its own table: each manifest is the one a
+    first save writes, and loads."""
+    from shardpoint.runtime import PROCESS
+    from shardpoint.saving.coordinator import CachedPlan
+
+    state = {"a": torch.ones(4, 3), "b": torch.full((4, 3), 2.0), "c": torch.arange(5.0), "v": 1,
+             "rng": shardpoint.PerRank({"s": torch.arange(7, dtype=torch.uint8)})}
+    for i in range(3):
+        shardpoint.save(state, tmp_path / f"c{i}")
+    docs = [json.loads((tmp_path / f"c{i}" / "manifest.json").read_text()) for i in range(3)]
+    rows = docs[0]["layouts"]
+    assert len(rows) == 3 and [r["shape"] for r in rows] == [[4, 3], [5], [7]]
+    assert docs[0]["entries"]["a"]["layout"] == docs[0]["entries"]["b"]["layout"] == 0
+    for d in docs[1:]:
+        assert d["layouts"] == rows and d["entries"] == docs[0]["entries"]
+    memos = [p.rows for p in PROCESS.plans.values() if isinstance(p, CachedPlan) and p.rows.refs]
+    assert memos and sorted(memos[-1].refs) == ["a", "b", "c"] and len(memos[-1].table) == 2  # no per-rank row kept
+    for i in range(3):
+        got = shardpoint.load_full(tmp_path / f"c{i}")
+        assert torch.equal(got["b"], state["b"]) and torch.equal(got["rng"][0]["s"], torch.arange(7, dtype=torch.uint8))

@@ -17,7 +17,8 @@ def manifest(path: Path) -> dict[str, Any]:
 def sealed(doc: Any) -> bytes:
     """A manifest document (a dict, or JSON text/bytes of an object) sealed again
     after an edit, so that it reaches the parser behind the seal: its old ``seal``
-    member is dropped and a matching one put first."""
+    member is dropped and a matching one put first (a SHA-256 seal, which a reader
+    accepts on a manifest of version 2 or 3)."""
     if isinstance(doc, dict):
         doc = json.dumps({k: v for k, v in doc.items() if k != "seal"})
     raw = doc.encode() if isinstance(doc, str) else bytes(doc)
@@ -31,6 +32,81 @@ def write_manifest(path: Path, doc: Any, *, raw: bytes | None = None) -> None:
     (path / "manifest.json").write_bytes(raw if raw is not None else sealed(doc))
 
 
+def inline_layouts(doc: dict[str, Any]) -> dict[str, Any]:
+    """A version-3 manifest document with its ``layouts`` table written into each
+    tensor entry, as version 2 spells entries out (``doc`` changed in place; its
+    ``version`` left as it is)."""
+    rows = doc.pop("layouts", None)
+    if rows is None:
+        return doc
+
+    def fix(entries: dict[str, Any]) -> None:
+        for key, e in entries.items():
+            if e["kind"] == "tensor":
+                row = rows[e.pop("layout")]
+                entries[key] = {"kind": "tensor", "dtype": e["dtype"], "shape": row["shape"],
+                                **({"numpy": True} if e.get("numpy") else {}),
+                                **{k: v for k, v in row.items() if k != "shape"}}
+            elif e["kind"] == "per_rank":
+                for sub in e["ranks"].values():
+                    fix(sub["entries"])
+
+    fix(doc["entries"])
+    return doc
+
+
+def as_v2(path: Path) -> dict[str, Any]:
+    """The checkpoint's manifest rewritten in format version 2 (each tensor entry
+    spelled out, each index's SHA-256 recorded), for the cases that damage a version-2
+    manifest: every later version keeps reading version 2."""
+    import hashlib
+
+    doc = inline_layouts(manifest(path))
+    doc.pop("seal", None)
+    doc["version"] = 2
+    for f in doc["files"].values():
+        idx = f["index"]
+        idx.pop("crc32", None)
+        idx["sha256"] = hashlib.sha256((path / idx["name"]).read_bytes()).hexdigest()
+    return doc
+
+
+def with_layouts(doc: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A version-2 manifest document (perhaps damaged) made version 3: each tensor
+    entry's shape and layout moved into a row of ``layouts`` (equal ones shared),
+    the entry left with its kind, dtype, ``numpy`` and row, and each index's CRC-32
+    recorded (``doc`` changed in place)."""
+    import zlib
+
+    rows: list[Any] = []
+    seen: dict[str, int] = {}
+
+    def fix(entries: dict[str, Any]) -> None:
+        for key, e in entries.items():
+            if isinstance(e, dict) and e.get("kind") == "tensor":
+                row = {k: v for k, v in e.items() if k not in ("kind", "dtype", "numpy")}
+                code = json.dumps(row, sort_keys=True)
+                if code not in seen:
+                    seen[code] = len(rows)
+                    rows.append(row)
+                entries[key] = {"kind": "tensor", "dtype": e.get("dtype"),
+                                **({"numpy": e["numpy"]} if "numpy" in e else {}), "layout": seen[code]}
+            elif isinstance(e, dict) and e.get("kind") == "per_rank" and isinstance(e.get("ranks"), dict):
+                for sub in e["ranks"].values():
+                    fix(sub["entries"])
+
+    fix(doc["entries"])
+    doc["layouts"] = rows
+    doc["entries"] = doc.pop("entries")  # after the table, as a writer puts it
+    doc["version"] = 3
+    for f in doc["files"].values():
+        idx = f.get("index")
+        if isinstance(idx, dict) and "sha256" in idx:
+            idx.pop("sha256")
+            idx["crc32"] = zlib.crc32((path / idx["name"]).read_bytes())
+    return doc
+
+
 def as_v1(path: Path) -> dict[str, Any]:
     """The checkpoint's manifest rewritten in format version 1 (every chunk listed
     with its file, byte offset, length and CRCs, read from the version 2 indexes):
@@ -39,7 +115,7 @@ def as_v1(path: Path) -> dict[str, Any]:
     from shardpoint.load.locate import Locator, read_manifest
     from shardpoint.storage import storage_for
 
-    doc = manifest(path)
+    doc = inline_layouts(manifest(path))
     if doc["version"] == 1:
         return doc
     st = storage_for(str(path))

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from shardpoint.format.digest import SEAL_HEADER_LEN, seal
 from tests.failure._sandbox import Sandbox
-from tests.failure._util import as_v1, manifest, sealed
+from tests.failure._util import as_v1, as_v2, manifest, sealed, with_layouts
 
 OUTSIDE = "outside.safetensors"  # a FIFO beside the checkpoint directory, where '../' names point
 
@@ -301,6 +301,9 @@ def _grid(m: dict[str, Any], key: str = "model/b") -> dict[str, Any]:
     return m["entries"][key]["grid"]
 
 
+#: Cases of V2_CASES that damage a version-3 index record (a CRC-32), made in that form.
+V3_INDEX_CASES = {"index-crc-wrong", "index-crc-not-int", "index-crc-too-big"}
+
 # version 2: compact layouts and the per-file index objects the manifest protects by digest
 V2_CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "grid-cuts-zero": lambda m: _grid(m).update(cuts=[0]),
@@ -372,18 +375,29 @@ INDEX_CASES: dict[str, Callable[[dict[str, Any]], Any]] = {
 
 
 @pytest.mark.parametrize("case", sorted(V2_CASES))
-def test_hostile_v2_manifest(case: str, hostile: Path, sandbox: Sandbox) -> None:
-    """A version 2 manifest whose layout fields or index records are damaged: a
-    ShardpointError (CorruptCheckpointError) from every call, never another exception."""
-    m = manifest(hostile)
+@pytest.mark.parametrize("version", [2, 3])
+def test_hostile_v2_manifest(case: str, version: int, hostile: Path, sandbox: Sandbox) -> None:
+    """A version 2 manifest whose layout fields or index records are damaged, and the
+    same damage in a version 3 manifest (the layout in a row of its table), sealed so
+    that the parser decides: a ShardpointError (CorruptCheckpointError) from every
+    call, never another exception."""
+    index_case = case.startswith("index-")  # damage to the index record: made in the version's own form
+    if version == 2 and case in V3_INDEX_CASES:
+        pytest.skip("a version-3 index record (its CRC-32)")
+    m = as_v2(hostile)
+    if version == 3 and index_case:
+        with_layouts(m, hostile)
     before = json.dumps(m)
     V2_CASES[case](m)
     assert json.dumps(m) != before, "the case changed nothing"
-    (hostile / "manifest.json").write_text(json.dumps(m))
+    if version == 3 and not index_case:  # the layout damaged, then moved into a row of the table
+        with_layouts(m, hostile)
+    (hostile / "manifest.json").write_bytes(sealed(m))
     results = sandbox.run(str(hostile))
     check_outcomes(results, damaged=True)
     for call in ("load", "load_full"):
         assert not results[call]["ok"], f"{call} accepted a damaged manifest ({case})"
+        assert "seal" not in results[call].get("message", ""), results[call]  # the parser refused it
 
 
 @pytest.mark.parametrize("case", sorted(INDEX_CASES))

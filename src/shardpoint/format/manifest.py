@@ -35,7 +35,22 @@ from .chunks import SavedChunk, TensorSpec
 from .datafile import DTYPES, ITEMSIZES, TORCH_DTYPES, crc_count
 from .digest import check_seal, is_sealed, seal, seal_algorithm
 from .index import is_count
-from .model import ContainerType, DataFile, Document, Entry, PerRankEntry, TensorEntry, TreeDoc, ValueEntry
+from .model import (
+    ContainerType,
+    DataFile,
+    Document,
+    DocumentV3,
+    Entry,
+    EntryRef,
+    Layout,
+    PerRankEntry,
+    PerRankRef,
+    TensorEntry,
+    TensorRef,
+    TreeDoc,
+    TreeRef,
+    ValueEntry,
+)
 from .names import check_name
 from .refs import split_ref
 
@@ -134,6 +149,20 @@ class Tree:
 
 
 @dataclass(slots=True)
+class RowsMemo:
+    """The ``layouts`` rows of a version-3 manifest's top-level tensor entries, kept
+    for the next manifest of the same entries (a save's cached plan makes its tensor
+    entries once and shares them): their rows and entries are not made again."""
+
+    table: list[Layout] = field(default_factory=list)
+    """The rows of the entries in ``refs``, in order."""
+    rows: dict[bytes, int] = field(default_factory=dict)
+    """A row's index by its encoded layout."""
+    refs: dict[str, tuple[TensorEntry, TensorRef]] = field(default_factory=dict)
+    """By key: the tensor entry (compared by identity) and what a manifest writes of it."""
+
+
+@dataclass(slots=True)
 class Manifest:
     """A parsed manifest. ``tree`` holds the top-level keys; a per-rank value's
     entry has kind ``per_rank`` with one sub-tree per saving rank."""
@@ -165,6 +194,8 @@ class Manifest:
     #: The caller's numbers for this step (``CheckpointManager.save(..., metrics=)``).
     metrics: dict[str, float] = field(default_factory=dict)
     _by_rank: dict[int, str] | None = field(default=None, repr=False, compare=False)
+    #: Rows of the layouts table kept from an earlier manifest of the same tensor entries (version 3).
+    rows_memo: RowsMemo | None = field(default=None, repr=False, compare=False)
 
     def file_of_rank(self, rank: int) -> str | None:
         """The data file the saving rank ``rank`` wrote (version 2), or None."""
@@ -260,8 +291,14 @@ class Manifest:
             "checksum": {"algorithm": "crc32", "block_size": self.crc_block},
             "files": self.files,
             "containers": self.tree.containers,
-            "entries": self.tree.entries,
         }
+        if self.version >= 3:  # each distinct shape and layout once, in a table its tensor entries name
+            memo = self.rows_memo if self.rows_memo is not None else RowsMemo()
+            table, entries = _with_rows(self.tree.entries, memo)
+            doc["layouts"] = table
+            doc["entries"] = entries
+        else:
+            doc["entries"] = self.tree.entries
         if self.refs:
             doc["refs"] = self.refs
         if health is not None:
@@ -269,7 +306,7 @@ class Manifest:
         return doc
 
     @classmethod
-    def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:
+    def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:  # noqa: C901 - one check after another
         """Check the seal, then parse and validate; raises :class:`CorruptCheckpointError`
         naming ``where``.
 
@@ -281,18 +318,32 @@ class Manifest:
         data = bytes(data)
         alg = seal_algorithm(data)
         sealed = alg is not None
+        start = 1
         if sealed:  # its seal checked where it lies; then the sealed document is decoded whole (a JSON object too)
-            check_seal(data, where, fix=DAMAGED_FIX)
+            start = check_seal(data, where, fix=DAMAGED_FIX)
 
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
 
+        # version 3 (its tensor entries name rows of a table) or earlier, as the head a writer puts
+        # first says; a version-3 manifest whose members come in another order is decoded again
+        v3 = data.startswith(_V3_HEAD, start)
+        doc: Document | DocumentV3
         try:
             # in C: strict UTF-8 JSON (no NaN/Infinity literals, no number beyond a double), every
             # field's type and range, each entry's kind (docs/format.md); what no schema says, below
-            doc = _DOC.decode(data)
+            try:
+                doc = (_DOC3 if v3 else _DOC).decode(data)
+            except msgspec.ValidationError:
+                if v3 == (_raw_version(data) == 3):
+                    raise
+                v3 = not v3
+                doc = (_DOC3 if v3 else _DOC).decode(data)
+            if v3 != (doc.version == 3):  # decoded as the other version's document: the errors are its version's
+                v3 = not v3
+                doc = (_DOC3 if v3 else _DOC).decode(data)
         except msgspec.ValidationError as e:
-            raise _explain(data, e, sealed, where, bad) from None
+            raise _explain(data, e, sealed, where, bad, v3) from None
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             raise bad(f"not valid JSON ({e})") from None
         _check_head(doc.format, doc.version, doc.seal is not None, sealed, where, bad)
@@ -323,7 +374,11 @@ class Manifest:
             if "size" not in ref:
                 raise bad(f"refs[{name!r}] has no valid 'size' (and optional 'bytes')")
         nonfinite, nan, roles, metrics = _parse_health(doc, bad)
-        tree = _parse_tree(doc.containers, doc.entries, files, block, bad, ws, depth=0, version=version)
+        if type(doc) is DocumentV3:
+            tree = _parse_tree_v3(doc.containers, doc.entries, doc.layouts, files, block, bad, ws, {}, depth=0)
+        else:
+            assert type(doc) is Document
+            tree = _parse_tree(doc.containers, doc.entries, files, block, bad, ws, depth=0, version=version)
         return cls(
             world_size=ws, created=float(created), save_id=doc.save_id, tree=tree, files=files, crc_block=block,
             library_version=doc.library_version, version=version, sealed=sealed, seal_algorithm=alg, refs=refs, nonfinite=nonfinite,
@@ -371,6 +426,10 @@ _Bad = Callable[[str], CorruptCheckpointError]
 _JSON = msgspec.json.Decoder()
 _ENCODE = msgspec.json.Encoder().encode
 _DOC = msgspec.json.Decoder(Document)
+_DOC3 = msgspec.json.Decoder(DocumentV3)
+#: How a version-3 manifest's members begin, as a writer puts them (after the seal).
+_V3_HEAD = b'"format":"shardpoint","version":3,'
+
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -393,7 +452,14 @@ def _check_head(fmt: object, version: object, has_seal: bool, sealed: bool, wher
         )
 
 
-def _explain(data: bytes, err: msgspec.ValidationError, sealed: bool, where: str, bad: _Bad) -> CorruptCheckpointError:
+def _raw_version(data: bytes) -> object:
+    """The ``version`` member of the JSON object ``data`` (None when there is none)."""
+    raw = _JSON.decode(data)
+    return raw.get("version") if isinstance(raw, dict) else None
+
+
+def _explain(data: bytes, err: msgspec.ValidationError, sealed: bool, where: str, bad: _Bad,
+             v3: bool = False) -> CorruptCheckpointError:
     """The error for a manifest the typed decoder refused, naming the field as the
     hand-written checks did (``entry 'x': shape[1]: Expected `int`, got `str```): the
     document is decoded again untyped, its head checked first (a manifest of a newer
@@ -417,7 +483,7 @@ def _explain(data: bytes, err: msgspec.ValidationError, sealed: bool, where: str
                            f"({why[0]}: {why[1]})")
             return bad(f"files[{name!r}]: '{why[0]}': {why[1]}")
     if isinstance(raw.get("containers"), dict) and isinstance(raw.get("entries"), dict):
-        found = _tree_problem(raw["containers"], raw["entries"])
+        found = _tree_problem(raw["containers"], raw["entries"], entry=EntryRef if v3 else Entry)
         if found is not None:
             return bad(found)
     reason, _, at = str(err).partition(" - at `$")
@@ -442,7 +508,7 @@ def _why(value: object, typ: Any) -> tuple[str, str] | None:
     return None
 
 
-def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], depth: int = 0) -> str | None:
+def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], depth: int = 0, entry: Any = Entry) -> str | None:
     """What is wrong in a (sub)tree the typed decoder refused, naming the key (a
     per-rank value's sub-trees one level down; a per-rank value inside one is refused
     as the parse refuses it, however deep a hostile manifest nests them)."""
@@ -462,10 +528,10 @@ def _tree_problem(containers: dict[str, Any], entries: dict[str, Any], depth: in
                 if not isinstance(sub, dict) or not isinstance(sub.get("containers"), dict) \
                         or not isinstance(sub.get("entries"), dict):
                     return f"entry {k!r}: rank {r!r}: 'containers' and 'entries' must be objects"
-                found = _tree_problem(sub["containers"], sub["entries"], depth + 1)
+                found = _tree_problem(sub["containers"], sub["entries"], depth + 1, entry)
                 if found is not None:
                     return found
-        why = _why(e, Entry)
+        why = _why(e, entry)
         if why is not None:
             return f"entry {k!r}: '{why[0]}': {why[1]}"
     return None
@@ -476,7 +542,7 @@ def _number_out(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
 
 
-def _parse_health(doc: Document, bad: _Bad) -> tuple[list[str] | None, list[str] | None, dict[str, str], dict[str, float]]:
+def _parse_health(doc: Document | DocumentV3, bad: _Bad) -> tuple[list[str] | None, list[str] | None, dict[str, str], dict[str, float]]:
     h = doc.health
     if h is None:
         return None, None, {}, {}
@@ -532,6 +598,106 @@ def _parse_tree(containers: dict[str, ContainerType], entries: dict[str, Entry],
         else:
             raise bad(f"entry {key!r} has unknown kind 'per_rank' (a per-rank value inside a per-rank value)")
     return tree
+
+
+#: A version-3 tensor entry resolved (:func:`_resolve`): its typed entry, layout key, item size, shape, torch dtype.
+_Resolved = tuple[TensorEntry, "bytes | None", int, tuple[int, ...], Any]
+
+
+def _parse_tree_v3(containers: dict[str, ContainerType], entries: dict[str, EntryRef], rows: list[Layout],
+                   files: dict[str, DataFile], block: int, bad: _Bad, ws: int,
+                   resolved: dict[tuple[int, str, bool], _Resolved], depth: int, under: str | None = None) -> Tree:
+    """:func:`_parse_tree` of a version-3 (sub)tree: each tensor entry's row of
+    ``rows`` and dtype made the :class:`TensorEntry` a version-2 manifest spells out,
+    checked once per row, dtype and ``numpy`` (``resolved``, shared by the sub-trees)."""
+    _check_keys(containers, entries, bad, under)
+    out: dict[str, Entry] = {}
+    tree = Tree(containers=cast("dict[str, str]", containers), entries=out)
+    tensors, values = tree.tensors, tree.values
+    for key, e in entries.items():
+        if type(e) is TensorRef:
+            got = resolved.get((e.layout, e.dtype, e.numpy))
+            if got is None:
+                got = resolved[(e.layout, e.dtype, e.numpy)] = _resolve(key, e, rows, files, block, bad, ws)
+            te, layout, size, shape, tdtype = got
+            out[key] = te
+            tensors[key] = TensorSpec(key, e.dtype, size, shape, e.numpy, 3, te, layout, tdtype)
+        elif type(e) is ValueEntry:
+            out[key] = e
+            values[key] = decode_value(e.value, key)
+        elif type(e) is PerRankRef and depth == 0:
+            subs = tree.per_rank[key] = {}
+            docs: dict[str, TreeDoc] = {}
+            for r, sub in e.ranks.items():
+                if not (r.isascii() and r.isdigit() and len(r) <= 9) or int(r) >= ws:
+                    raise bad(f"entry {key!r}: rank {r!r} is not a rank of the saving job")
+                t = subs[int(r)] = _parse_tree_v3(sub.containers, sub.entries, rows, files, block, bad, ws, resolved,
+                                                  depth + 1, under=key)
+                docs[r] = t.doc()
+            out[key] = PerRankEntry(docs)
+        else:
+            raise bad(f"entry {key!r} has unknown kind 'per_rank' (a per-rank value inside a per-rank value)")
+    return tree
+
+
+def _resolve(key: str, e: TensorRef, rows: list[Layout], files: dict[str, DataFile], block: int, bad: _Bad,
+             ws: int) -> _Resolved:
+    """The :class:`TensorEntry` of a version-3 tensor entry (its row and dtype),
+    checked as a version-2 entry is, and what a :class:`TensorSpec` takes of it."""
+    if e.layout >= len(rows):
+        raise bad(f"entry {key!r}: 'layout' {e.layout} is not a row of 'layouts' ({len(rows)} rows)")
+    row = rows[e.layout]
+    if (row.grid is not None) + (row.flat is not None) + (row.chunks is not None) != 1:
+        raise bad(f"entry {key!r}: layouts[{e.layout}] must have exactly one of 'grid', 'flat', 'chunks'")
+    te = TensorEntry(e.dtype, row.shape, e.numpy, row.grid, row.flat, row.chunks)
+    layout = _check_tensor(key, te, files, block, bad, ws, 3)
+    return te, layout, ITEMSIZES[e.dtype], tuple(row.shape), TORCH_DTYPES.get(e.dtype)
+
+
+def _with_rows(entries: Mapping[str, Entry], memo: RowsMemo) -> tuple[list[Layout], dict[str, EntryRef]]:
+    """``entries`` as a version-3 manifest writes them, and its ``layouts`` table: each
+    tensor entry's shape and layout a row of the table (tensors of one layout share it),
+    the entry its dtype and row. The top-level tensor entries' rows come first and are
+    kept in ``memo`` (an entry seen before, the same object, is not made again); a
+    per-rank value's rows follow, in this manifest's table alone."""
+    out: dict[str, EntryRef] = {}
+    later: list[tuple[str, PerRankEntry]] = []
+    refs, table, rows = memo.refs, memo.table, memo.rows
+    for k, e in entries.items():
+        if type(e) is TensorEntry:
+            got = refs.get(k)
+            if got is not None and got[0] is e:
+                out[k] = got[1]
+                continue
+            ref = out[k] = TensorRef(e.dtype, _row(e, rows, table), e.numpy)
+            refs[k] = (e, ref)
+        elif type(e) is PerRankEntry:
+            out[k] = cast("EntryRef", e)  # a placeholder keeping its place in the order: made below
+            later.append((k, e))
+        else:
+            out[k] = cast("ValueEntry", e)
+    if later:  # rows of the per-rank values' tensors: in a copy of the table, never in the memo's
+        table, rows = list(table), dict(rows)
+        for k, e in later:
+            out[k] = PerRankRef({r: TreeRef(sub.containers, _sub_rows(sub.entries, rows, table))
+                                 for r, sub in e.ranks.items()})
+    return table, out
+
+
+def _sub_rows(entries: Mapping[str, Entry], rows: dict[bytes, int], table: list[Layout]) -> dict[str, EntryRef]:
+    """A per-rank value's sub-tree as a version-3 manifest writes it (:func:`_with_rows`)."""
+    return {k: TensorRef(e.dtype, _row(e, rows, table), e.numpy) if type(e) is TensorEntry else cast("ValueEntry", e)
+            for k, e in entries.items()}
+
+
+def _row(e: TensorEntry, rows: dict[bytes, int], table: list[Layout]) -> int:
+    """The row of ``table`` that holds ``e``'s shape and layout, added when new."""
+    code = layouts.KEY_ENCODER.encode((e.shape, e.grid, e.flat, e.chunks))
+    i = rows.get(code)
+    if i is None:
+        i = rows[code] = len(table)
+        table.append(Layout(e.shape, e.grid, e.flat, e.chunks))
+    return i
 
 
 def _check_tensor(key: str, e: TensorEntry, files: dict[str, DataFile], block: int, bad: _Bad, ws: int,

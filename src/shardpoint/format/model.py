@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 __all__ = [
-    "COUNT_LIMIT", "Checksum", "Count", "DataFile", "Document", "Entry", "FlatRange", "Grid", "Health",
-    "IndexFile", "ListedChunk", "PerRankEntry", "RankStep", "TensorEntry", "TreeDoc", "ValueEntry", "kind_of",
+    "COUNT_LIMIT", "Checksum", "Count", "DataFile", "Document", "DocumentV3", "Entry", "EntryRef", "FlatRange", "Grid",
+    "Health", "IndexFile", "Layout", "ListedChunk", "PerRankEntry", "PerRankRef", "RankStep", "TensorEntry",
+    "TensorRef", "TreeDoc", "TreeRef", "ValueEntry", "kind_of",
 ]
 
 #: Offsets, lengths and other counts in an index or a manifest lie below this.
@@ -134,6 +135,44 @@ class TreeDoc(msgspec.Struct, frozen=True, gc=False):
 Entry = TensorEntry | ValueEntry | PerRankEntry
 
 
+class Layout(msgspec.Struct, frozen=True, gc=False, omit_defaults=True, forbid_unknown_fields=True):
+    """A row of a version-3 manifest's ``layouts`` table: a shape and exactly one of
+    ``grid``, ``flat``, ``chunks`` (what a version-2 tensor entry says besides its
+    dtype), shared by every tensor entry that names the row."""
+
+    shape: Annotated[list[Count], msgspec.Meta(max_length=MAX_DIMS)]
+    grid: Grid | None = None
+    flat: list[FlatRange] | None = None
+    chunks: list[ListedChunk] | None = None
+
+
+class TensorRef(msgspec.Struct, tag="tensor", tag_field="kind", frozen=True, gc=False, omit_defaults=True,
+                forbid_unknown_fields=True):
+    """A tensor entry of a version-3 manifest: its dtype and the row of ``layouts``
+    that holds its shape and layout. The parse makes of it the :class:`TensorEntry`
+    a version-2 manifest spells out, so nothing after the parse tells them apart."""
+
+    dtype: str
+    layout: Annotated[int, msgspec.Meta(ge=0, lt=COUNT_LIMIT)]
+    numpy: bool = False
+
+
+class PerRankRef(msgspec.Struct, tag="per_rank", tag_field="kind", frozen=True, gc=False):
+    """A per-rank value of a version-3 manifest (its sub-trees' tensors name rows too)."""
+
+    ranks: dict[str, TreeRef]
+
+
+class TreeRef(msgspec.Struct, frozen=True, gc=False):
+    """The keys of a (sub)tree of a version-3 manifest."""
+
+    containers: dict[str, ContainerType]
+    entries: dict[str, EntryRef]
+
+
+EntryRef = TensorRef | ValueEntry | PerRankRef
+
+
 def kind_of(e: Entry) -> str:
     """An entry's ``kind`` as the manifest writes it (``tensor``, ``value``, ``per_rank``)."""
     return str(e.__struct_config__.tag)
@@ -154,7 +193,7 @@ class Health(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 
 
 class Document(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
-    """A whole manifest as written (docs/format.md, section 2)."""
+    """A whole manifest of version 1 or 2 as written (docs/format.md, section 3)."""
 
     seal: str | None = None
     """The seal member (read, never written from here: :func:`~.digest.seal` puts it first)."""
@@ -168,5 +207,25 @@ class Document(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_default
     files: dict[str, DataFile]
     containers: dict[str, ContainerType]
     entries: dict[str, Entry]
+    refs: dict[str, dict[str, Count]] = {}
+    health: Health | None = None
+
+
+class DocumentV3(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
+    """A whole manifest of version 3 as written: tensor entries name rows of ``layouts``."""
+
+    seal: str | None = None
+    """The seal member (read, never written from here: :func:`~.digest.seal` puts it first)."""
+    format: str
+    version: int
+    library_version: str = ""
+    created: float = 0.0
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    save_id: str = ""
+    checksum: Checksum
+    files: dict[str, DataFile]
+    containers: dict[str, ContainerType]
+    layouts: list[Layout] = []
+    entries: dict[str, EntryRef]
     refs: dict[str, dict[str, Count]] = {}
     health: Health | None = None

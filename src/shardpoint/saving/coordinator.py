@@ -27,7 +27,7 @@ from ..errors import InternalError, RankMismatchError, UsageError
 from ..format import layouts
 from ..format.datafile import CRC_BLOCK, itemsize_of
 from ..format.layouts import Layout
-from ..format.manifest import Manifest, Tree
+from ..format.manifest import Manifest, RowsMemo, Tree
 from ..format.model import DataFile, Grid, IndexFile, PerRankEntry, RankStep, TensorEntry, TreeDoc, ValueEntry
 from ..plan import ChunkTable, Placement, PlanError, choose_writers, nonempty_rows
 from ..runtime import PROCESS
@@ -518,6 +518,8 @@ class CachedPlan:
     #: :func:`tensor_entries` of ``plan``, made by the first manifest built from it (a
     #: manifest is serialised, never edited: later saves of the layout share them).
     tensors: dict[str, TensorEntry] | None = None
+    #: Their rows of the manifest's layouts table, made by the first manifest that wrote them.
+    rows: RowsMemo = field(default_factory=RowsMemo)
 
 
 def _combined(digests: list[str]) -> str:
@@ -601,8 +603,11 @@ class Coordinator:
             check_replicas(self.plan, statuses)
             cached = PROCESS.plans.get(self.tag)
             tensors = None
+            rows = None
             if isinstance(cached, CachedPlan) and cached.plan is self.plan:
                 if cached.tensors is None:
                     cached.tensors = tensor_entries(self.plan)
-                tensors = cached.tensors
-            return build_manifest(self.plan, self.values, statuses, self.save_id, merged=self.merged, tensors=tensors)
+                tensors, rows = cached.tensors, cached.rows
+            m = build_manifest(self.plan, self.values, statuses, self.save_id, merged=self.merged, tensors=tensors)
+            m.rows_memo = rows
+            return m
