@@ -10,9 +10,7 @@ straight into its target's memory, with no staging copy.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ from typing import NoReturn
 import msgspec
 import torch
 
+from .._memory import bytes_of as _bytes_of
 from ..errors import CorruptCheckpointError, UsageError
 from ..format.boxes import Box, box_runs
 from ..format.chunks import ChunkLoc, SavedChunk, TensorSpec
@@ -213,29 +212,6 @@ _COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtyp
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512
 _OFFSET = attrgetter("loc.offset")
-
-
-#: The lowest address :data:`_MEMORY` covers (the page at 0 is never mapped).
-_BASE = 4096
-#: The bytes :data:`_MEMORY` covers.
-_SPAN = sys.maxsize - _BASE
-#: The process's memory from address :data:`_BASE` up, as one writable byte view: a
-#: tensor's bytes are a slice of it, one object made in C, where a ctypes array over
-#: each tensor made three (the array, its view, the cast) at about three times the cost.
-_MEMORY = memoryview((ctypes.c_char * _SPAN).from_address(_BASE)).cast("B")
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, as a flat memoryview over its
-    memory (any dtype; a tensor that requires grad needs no detached alias). The view
-    does not keep ``t`` alive: its holder keeps ``t`` (a :class:`ReadJob`'s ``dst``)."""
-    n = t.nbytes
-    if n == 0:
-        return memoryview(bytearray())
-    at = t.data_ptr() - _BASE
-    if 0 <= at <= _SPAN - n:
-        return _MEMORY[at : at + n]
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")  # pragma: no cover - outside it
 
 
 @dataclass(slots=True)

@@ -14,8 +14,7 @@ import torch
 from ..errors import UnsupportedTypeError, UsageError
 from ..format.datafile import DTYPES, dtype_name
 from ..format.manifest import encode_value
-from ..layout import chunks_of
-from ..layout.local import Seen
+from ..layout.local import Describe
 from ..tree import walk
 from .records import ChunkRows, Described, Encoded, TensorMeta
 
@@ -25,7 +24,7 @@ def describe(state: Any) -> Described:
     raises naming the key that cannot be saved."""
     w = walk(state)
     described: dict[str, Described] = {}
-    seen: Seen = {}  # DTensor specs met in this walk: a model's DTensors share a few
+    chunks_of = Describe().__call__  # DTensor layouts met in this walk, kept (a model's DTensors share a few); a bound method: called faster
     names: dict[torch.dtype, str] = {}  # the dtypes met, checked, with their names
     # per-rank values first: the top level's description holds theirs
     for pkey, sub in [*w.per_rank.items(), ("", w)]:
@@ -47,7 +46,7 @@ def describe(state: Any) -> Described:
                 # DTensor's dispatch, several times cheaper)
                 local = obj if type(obj) is torch.Tensor else getattr(obj, "_local_tensor", None)
                 _check_kind(key, local if isinstance(local, torch.Tensor) else obj, names)
-            lc = chunks_of(key, obj, seen)
+            lc = chunks_of(key, obj)
             for v in lc.views:
                 if v.is_meta:
                     raise UsageError(f"key {key!r} is on the meta device and holds no data; materialise it before saving")

@@ -148,7 +148,7 @@ def _write_in_order(storage: Storage, name: str, names: list[str], tensors: list
                 if not n:
                     crcs.append([0])
                     continue
-                piece = cpu_bytes(t)
+                piece = cpu_bytes(t, n, dtypes[j])
                 if len(piece) != n:  # pragma: no cover - a source that lied about its size
                     raise InternalError(f"chunk {names[j]!r}: {len(piece)} bytes streamed, {n} expected; this is a bug")
                 crcs.append([crc32(piece, 0)])
