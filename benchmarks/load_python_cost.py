@@ -124,13 +124,13 @@ def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
 
     from shardpoint.format.digest import check_seal, digest_matches
     from shardpoint.format.index import _PLAIN
-    from shardpoint.format.manifest import _DOC
+    from shardpoint.format.manifest import _DOC3
     from shardpoint.load.read import _bytes_of
 
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         body = f.read()
     check_seal(body, "manifest.json")  # its digest (the seal's algorithm) over the body
-    doc = _DOC.decode(body)
+    doc = _DOC3.decode(body)  # format version 3: tensor entries name rows of its layouts table
     chunks = {}
     for info in doc.files.values():
         assert info.index is not None and info.rank is not None
@@ -138,7 +138,7 @@ def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
             data = f.read()
         assert digest_matches(info.index.digest, data)
         chunks[info.rank] = _PLAIN.decode(data).chunks
-    entries = doc.entries
+    entries, rows = doc.entries, doc.layouts
     jobs: list[tuple[Any, ...]] = []
     add = jobs.append
 
@@ -148,13 +148,13 @@ def _skeleton(state: Any, path: str) -> list[tuple[Any, ...]]:
             if isinstance(v, dict):
                 walk(v, key + "/")
             elif isinstance(v, torch.Tensor):
-                e = entries[key]
+                e = rows[entries[key].layout]  # type: ignore[union-attr]
                 t = v._local_tensor if type(v) is DTensor else v
                 # the load's view checks (a float32 tensor has no conjugate bit to ask for)
                 if not (t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and not t.is_neg()):
                     raise ValueError(f"{key}: not this benchmark's state")
                 out = _bytes_of(t)
-                grid = e.grid  # type: ignore[union-attr]
+                grid = e.grid
                 if not grid.cuts:  # a scalar: one chunk, in the file of the one rank listed
                     off, n, crcs = chunks[grid.ranks[0]][key + "@"]
                     add((key, off, n, crcs, out))
