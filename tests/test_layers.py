@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardpoint"
 
 #: Lowest first; a module may import its own layer's modules and lower layers'.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_version", "_gc", "runtime"),
+    ("errors", "_version", "_gc", "_memory", "runtime"),
     ("format", "report"),
     ("plan",),
     ("storage", "layout", "tree", "collective", "elastic"),
