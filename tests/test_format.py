@@ -499,20 +499,12 @@ HOSTILE_V3 = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(HOSTILE_V3))
-def test_hostile_v3_manifest_is_refused(tmp_path: Path, case: str) -> None:
-    edit, msg = HOSTILE_V3[case]
-    p = _damaged(tmp_path, edit, v3=True)
-    with pytest.raises(CorruptCheckpointError, match=msg):
-        shardpoint.load_full(p)
-    with pytest.raises(CorruptCheckpointError):
-        shardpoint.load({"w": torch.zeros(2, 3), "v": 0}, p)
-
-
-@pytest.mark.parametrize("case", sorted(HOSTILE_V2))
-def test_hostile_v2_manifest_is_refused(tmp_path: Path, case: str) -> None:
-    edit, msg = HOSTILE_V2[case]
-    p = _damaged(tmp_path, edit, v1=False)
+@pytest.mark.parametrize(("version", "case"), [(2, c) for c in sorted(HOSTILE_V2)] + [(3, c) for c in sorted(HOSTILE_V3)])
+def test_hostile_compact_manifest_is_refused(tmp_path: Path, version: int, case: str) -> None:
+    """A version-2 manifest (layouts in its entries) or a version-3 one (layouts in its
+    table) damaged: refused, naming the key or file and the field."""
+    edit, msg = (HOSTILE_V2 if version == 2 else HOSTILE_V3)[case]
+    p = _damaged(tmp_path, edit, v1=False, v3=version == 3)
     with pytest.raises(CorruptCheckpointError, match=msg):
         shardpoint.load_full(p)
     with pytest.raises(CorruptCheckpointError):
