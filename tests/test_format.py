@@ -947,3 +947,19 @@ def test_a_saves_layout_rows_are_kept_for_the_next_save_of_the_same_plan(tmp_pat
     for i in range(3):
         got = shardpoint.load_full(tmp_path / f"c{i}")
         assert torch.equal(got["b"], state["b"]) and torch.equal(got["rng"][0]["s"], torch.arange(7, dtype=torch.uint8))
+
+
+def test_a_manifest_whose_head_and_version_disagree_is_refused(tmp_path: Path) -> None:
+    """The parse picks its decoder by the head a writer puts first; a 'version' member
+    given twice (the head's 3, then 2) is refused, naming the field, never read as
+    either version."""
+    from shardpoint.format.digest import check_seal, seal
+
+    p = tmp_path / "ckpt"
+    shardpoint.save({"w": torch.ones(3)}, p)
+    raw = (p / "manifest.json").read_bytes()
+    body = b"{" + raw[check_seal(raw, "m"):]
+    assert body.startswith(b'{"format":"shardpoint","version":3,')
+    (p / "manifest.json").write_bytes(seal(body[:-1] + b',"version":2}', "crc32"))
+    with pytest.raises(CorruptCheckpointError, match="'version'"):
+        shardpoint.load_full(p)

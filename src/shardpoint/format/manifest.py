@@ -306,7 +306,7 @@ class Manifest:
         return doc
 
     @classmethod
-    def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:  # noqa: C901 - one check after another
+    def parse(cls, data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         """Check the seal, then parse and validate; raises :class:`CorruptCheckpointError`
         naming ``where``.
 
@@ -325,28 +325,23 @@ class Manifest:
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a shardpoint checkpoint")
 
-        # version 3 (its tensor entries name rows of a table) or earlier, as the head a writer puts
-        # first says; a version-3 manifest whose members come in another order is decoded again
-        v3 = data.startswith(_V3_HEAD, start)
+        v3 = False
         doc: Document | DocumentV3
         try:
+            # the decoder of the manifest's version (3: its tensor entries name rows of a table), as
+            # the head a writer puts first says, else as its 'version' member says
+            v3 = data.startswith(_V3_HEAD, start) or (not data.startswith(_V2_HEAD, start) and _raw_version(data) == 3)
             # in C: strict UTF-8 JSON (no NaN/Infinity literals, no number beyond a double), every
             # field's type and range, each entry's kind (docs/format.md); what no schema says, below
-            try:
-                doc = (_DOC3 if v3 else _DOC).decode(data)
-            except msgspec.ValidationError:
-                if v3 == (_raw_version(data) == 3):
-                    raise
-                v3 = not v3
-                doc = (_DOC3 if v3 else _DOC).decode(data)
-            if v3 != (doc.version == 3):  # decoded as the other version's document: the errors are its version's
-                v3 = not v3
-                doc = (_DOC3 if v3 else _DOC).decode(data)
+            doc = (_DOC3 if v3 else _DOC).decode(data)
         except msgspec.ValidationError as e:
             raise _explain(data, e, sealed, where, bad, v3) from None
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             raise bad(f"not valid JSON ({e})") from None
         _check_head(doc.format, doc.version, doc.seal is not None, sealed, where, bad)
+        if v3 != (doc.version == 3):  # a 'version' member twice, say
+            raise bad(f"'version' is {doc.version}, and its entries are written as version "
+                      f"{'3' if v3 else '1 or 2'}'s")
         version, ws, block, files = doc.version, doc.world_size, doc.checksum.block_size, doc.files
         ranks_seen: set[int] = set()
         for name, info in files.items():
@@ -427,8 +422,9 @@ _JSON = msgspec.json.Decoder()
 _ENCODE = msgspec.json.Encoder().encode
 _DOC = msgspec.json.Decoder(Document)
 _DOC3 = msgspec.json.Decoder(DocumentV3)
-#: How a version-3 manifest's members begin, as a writer puts them (after the seal).
+#: How a version-3 (version-2) manifest's members begin, as a writer puts them (after the seal).
 _V3_HEAD = b'"format":"shardpoint","version":3,'
+_V2_HEAD = b'"format":"shardpoint","version":2,'
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
