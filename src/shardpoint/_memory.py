@@ -10,7 +10,11 @@ import sys
 
 import torch
 
-__all__ = ["bytes_of"]
+__all__ = ["COMPLEX", "bytes_of"]
+
+#: This torch's complex dtypes, the only ones a tensor's conjugate bit applies to (a set
+#: lookup, where ``dtype.is_complex`` is a call into torch).
+COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
 
 #: The lowest address :data:`_MEMORY` covers (the page at 0 is never mapped).
 _BASE = 4096

@@ -33,14 +33,9 @@ check the digest a manifest records for an index object.
 from __future__ import annotations
 
 import hashlib
-import zlib
 
 from ..errors import CorruptCheckpointError, UsageError
-
-try:  # the same CRC-32 as zlib's, faster (format/datafile.py uses the same)
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # pragma: no cover - zlib-ng is a dependency
-    _crc32 = zlib.crc32
+from .datafile import crc32 as _crc32  # the format's CRC-32 (zlib's, computed by zlib-ng)
 
 __all__ = ["ALGORITHM", "SEAL_HEADER_LEN", "check_seal", "content_digest", "digest_matches", "is_sealed", "seal",
            "seal_algorithm", "unseal"]

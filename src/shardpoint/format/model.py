@@ -192,8 +192,9 @@ class Health(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     metrics: dict[str, float | str] = {}
 
 
-class Document(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
-    """A whole manifest of version 1 or 2 as written (docs/format.md, section 3)."""
+class _Members(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
+    """The members every sealed or unsealed manifest has besides its tree's entries
+    (docs/format.md, section 3): :class:`Document` and :class:`DocumentV3` add those."""
 
     seal: str | None = None
     """The seal member (read, never written from here: :func:`~.digest.seal` puts it first)."""
@@ -206,26 +207,18 @@ class Document(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_default
     checksum: Checksum
     files: dict[str, DataFile]
     containers: dict[str, ContainerType]
-    entries: dict[str, Entry]
     refs: dict[str, dict[str, Count]] = {}
     health: Health | None = None
 
 
-class DocumentV3(msgspec.Struct, frozen=True, gc=False, kw_only=True, omit_defaults=True):
+class Document(_Members, frozen=True, gc=False, kw_only=True, omit_defaults=True):
+    """A whole manifest of version 1 or 2 as written: each tensor entry spells out its shape and layout."""
+
+    entries: dict[str, Entry]
+
+
+class DocumentV3(_Members, frozen=True, gc=False, kw_only=True, omit_defaults=True):
     """A whole manifest of version 3 as written: tensor entries name rows of ``layouts``."""
 
-    seal: str | None = None
-    """The seal member (read, never written from here: :func:`~.digest.seal` puts it first)."""
-    format: str
-    version: int
-    library_version: str = ""
-    created: float = 0.0
-    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
-    save_id: str = ""
-    checksum: Checksum
-    files: dict[str, DataFile]
-    containers: dict[str, ContainerType]
     layouts: list[Layout] = []
     entries: dict[str, EntryRef]
-    refs: dict[str, dict[str, Count]] = {}
-    health: Health | None = None

@@ -21,6 +21,7 @@ from typing import NoReturn
 import msgspec
 import torch
 
+from .._memory import COMPLEX
 from .._memory import bytes_of as _bytes_of
 from ..errors import CorruptCheckpointError, UsageError
 from ..format.boxes import Box, box_runs
@@ -181,7 +182,7 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
         # holds other values than its bytes: copied into; only a complex tensor can be conjugate)
         bases: list[memoryview | None] = []
         for v in views:
-            direct = t.direct and v.is_contiguous() and not v.is_neg() and not (dtype in _COMPLEX and v.is_conj())
+            direct = t.direct and v.is_contiguous() and not v.is_neg() and not (dtype in COMPLEX and v.is_conj())
             bases.append(_bytes_of(v) if direct else None)
         for target, region, lo, hi, contiguous, narrows, into, box, nbytes, numel, rank, at, loc, whole in steps:
             if loc is None:
@@ -205,9 +206,6 @@ def plan_jobs(targets: Sequence[Target], locator: Locator) -> list[ReadJob]:
             add(ReadJob(key, loc, box, region, lo, hi, contiguous, dtype, view))
     return jobs
 
-
-#: This torch's complex dtypes (a set lookup, where ``dtype.is_complex`` is a call into torch per view).
-_COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
 
 #: Chunks one scattered read takes at most.
 _RUN_MAX = 512

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._memory import bytes_of
+from .._memory import COMPLEX, bytes_of
 from ..errors import SaveAbortedError
 from ..format import datafile
 from ..runtime import PROCESS
@@ -189,10 +189,6 @@ class Source:
             yield cpu_bytes(t)
 
 
-#: This torch's complex dtypes (a set lookup, where ``dtype.is_complex`` is a call into torch).
-_COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
-
-
 def cpu_bytes(t: torch.Tensor, n: int | None = None, dtype: torch.dtype | None = None) -> memoryview:
     """The bytes of CPU tensor ``t`` (not empty), in place: a contiguous tensor
     without a conjugate or negative bit (any dtype, one that requires grad too) as a
@@ -201,7 +197,7 @@ def cpu_bytes(t: torch.Tensor, n: int | None = None, dtype: torch.dtype | None =
     conjugate or negative view) through :func:`byte_view`. ``n`` and ``dtype``:
     ``t.nbytes`` and ``t.dtype``, where the caller has them (only a complex tensor
     can be conjugate)."""
-    if t.is_contiguous() and not t.is_neg() and not ((dtype is None or dtype in _COMPLEX) and t.is_conj()):
+    if t.is_contiguous() and not t.is_neg() and not ((dtype is None or dtype in COMPLEX) and t.is_conj()):
         return bytes_of(t, n)
     return byte_view(t).numpy().data.cast("B")
 
